@@ -1,0 +1,98 @@
+"""GPU benchmark of the kernels layer (needs CUDA; prints a notice and exits otherwise).
+
+For Q of length L against N KV chunks (separate buffers, Lk total = L), [B, H, L, D]:
+  flash-concat  one flash_attn_func call on contiguous concatenated K/V (the lower bound)
+  flash-pairs   attend(..., backend "flash"): one flash_attn_func per chunk + merge
+  triton        attend(..., backend "triton"): ONE fused multi-chunk launch (paper Alg. 2)
+Each attend call is finalized. Tensors live in [B, L, H, D] buffers (flash-attn's layout);
+attend gets [B, H, L, D] views of them. CUDA-event timing, medians of interleaved repetitions.
+
+    python scripts/bench_kernels_gpu.py
+    python scripts/bench_kernels_gpu.py --lengths 8192 32768 --dims 128 --heads 3
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import statistics
+import sys
+
+import torch
+
+from xfuser_swiftfusion.kernels import attend, new_state, set_backend
+
+
+def _cuda_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def bench_point(L: int, D: int, n: int, args, have_flash: bool) -> dict[str, float]:
+    """Median milliseconds per variant."""
+    dtype = getattr(torch, args.dtype)
+    B, H, scale = args.batch, args.heads, D**-0.5
+    q_bl, k_bl, v_bl = (torch.randn(B, L, H, D, dtype=dtype, device="cuda") for _ in range(3))  # [B, L, H, D]
+    chunks = [(kc.clone(), vc.clone()) for kc, vc in zip(k_bl.chunk(n, dim=1), v_bl.chunk(n, dim=1))]
+    q = q_bl.transpose(1, 2)  # [B, L, H, D] -> [B, H, L, D]
+    kv = [(kc.transpose(1, 2), vc.transpose(1, 2)) for kc, vc in chunks]  # [B, Lk, H, D] -> [B, H, Lk, D]
+
+    def with_backend(name):
+        def run():
+            set_backend(name)
+            attend([q], kv, [new_state(q)], scale=scale, finalize=True)
+
+        return run
+
+    variants = {"triton": with_backend("triton")}
+    if have_flash:
+        from flash_attn import flash_attn_func
+
+        variants["flash-pairs"] = with_backend("flash")
+        variants["flash-concat"] = lambda: flash_attn_func(q_bl, k_bl, v_bl, softmax_scale=scale)
+    for fn in variants.values():  # warm-up (and JIT compile)
+        fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.reps):
+        for name, fn in variants.items():
+            times[name].append(_cuda_ms(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels_gpu.py needs a CUDA GPU; none is available here.")
+        return
+    have_flash = importlib.util.find_spec("flash_attn") is not None
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={args.batch} H={args.heads} {args.dtype}, "
+          f"median of {args.reps}; flash-attn {'present' if have_flash else 'MISSING (triton only)'}\n")  # fmt: skip
+    print("| L | D | KV chunks | triton (ms) | TFLOP/s | flash-pairs (ms) | flash-concat (ms) | triton / concat |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for D in args.dims:
+        for L in args.lengths:
+            for n in args.chunks:
+                t = bench_point(L, D, n, args, have_flash)
+                tflops = 4 * args.batch * args.heads * L * L * D / (t["triton"] * 1e-3) / 1e12
+                pairs, concat = t.get("flash-pairs", float("nan")), t.get("flash-concat", float("nan"))
+                print(f"| {L} | {D} | {n} | {t['triton']:.3f} | {tflops:.0f} | {pairs:.3f} | {concat:.3f} "
+                      f"| {t['triton'] / concat:.3f} |", flush=True)  # fmt: skip
+    set_backend(None)
+
+
+if __name__ == "__main__":
+    main()

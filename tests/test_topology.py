@@ -1,0 +1,128 @@
+"""Topology detection, mesh choice and the inter-machine volume model, against hand-computed values."""
+import json
+
+import pytest
+
+from xfuser_swiftfusion.cli import main as cli_main
+from xfuser_swiftfusion.cli import plan
+from xfuser_swiftfusion.topology import (Topology, TopologyError, choose_mesh,
+                                         counted_inter_node_elements, detect_topology,
+                                         paper_inter_node_elements_per_machine,
+                                         topology_from_hostnames)
+
+
+def test_parse_and_errors():
+    assert Topology.parse("2x4") == Topology(2, 4)
+    assert Topology.parse(" 3X2 ").world_size == 6
+    with pytest.raises(TopologyError, match="NxM"):
+        Topology.parse("8")
+    with pytest.raises(TopologyError, match="at least 1"):
+        Topology(0, 4)
+
+
+def test_hostnames_node_major_and_equal():
+    assert topology_from_hostnames(["a", "a", "b", "b"]) == Topology(2, 2)
+    with pytest.raises(TopologyError, match="node-major"):
+        topology_from_hostnames(["a", "b", "a", "b"])
+    with pytest.raises(TopologyError, match="unequal GPUs per machine.*a: 3, b: 1"):
+        topology_from_hostnames(["a", "a", "a", "b"])
+
+
+def test_override_must_match_world(monkeypatch):
+    monkeypatch.delenv("SWIFTFUSION_TOPOLOGY", raising=False)
+    assert detect_topology(8, "2x4") == Topology(2, 4)
+    with pytest.raises(TopologyError, match="has 6 GPUs but the sequence-parallel group has 8"):
+        detect_topology(8, "3x2")
+    monkeypatch.setenv("SWIFTFUSION_TOPOLOGY", "4x2")
+    assert detect_topology(8) == Topology(4, 2)
+    with pytest.raises(TopologyError, match=r"from \$SWIFTFUSION_TOPOLOGY"):
+        detect_topology(4)
+
+
+def test_mesh_4x8_24_heads():
+    topo = Topology(4, 8)
+    tas = choose_mesh(topo, 24, "tas")
+    assert (tas.ulysses, tas.ring, tas.torus, tas.ulysses_intra) == (8, 4, 4, 2)
+    assert tas.torus_ready
+    # ring groups contiguous inside a machine, Ulysses strided by the ring degree
+    assert tas.ring_groups[0] == (0, 1, 2, 3)
+    assert tas.ulysses_groups[0] == (0, 4, 8, 12, 16, 20, 24, 28)
+    usp = choose_mesh(topo, 24, "usp")
+    assert usp.ulysses_groups[0] == tuple(range(8)) and usp.ring_groups[0] == (0, 8, 16, 24)
+    assert (usp.torus, usp.ulysses_intra) == (1, 8)
+
+
+@pytest.mark.parametrize("topo,heads", [("2x4", 8), ("4x2", 24), ("3x2", 6), ("2x2", 4), ("1x4", 2)])
+def test_coordinates_roundtrip(topo, heads):
+    mesh = choose_mesh(Topology.parse(topo), heads, "tas")
+    assert mesh.torus_ready
+    seen = set()
+    for x in range(mesh.world_size):
+        t, u, r = mesh.coords(x)
+        assert mesh.rank_of(t, u, r) == x
+        assert mesh.topology.node_of(x) == mesh.topology.node_of(mesh.rank_of(t, 0, 0))
+        seen.add((t, u, r))
+    assert len(seen) == mesh.world_size
+
+
+def test_gcd_limits_ulysses_and_torus_readiness():
+    m = choose_mesh(Topology(2, 4), 6, "tas")          # gcd(8, 6) = 2
+    assert (m.ulysses, m.ring, m.torus, m.ulysses_intra) == (2, 4, 2, 1) and m.torus_ready
+    m = choose_mesh(Topology(3, 2), 4, "tas")          # P_u = 2 < N = 3: ring crosses machines
+    assert (m.ulysses, m.ring) == (2, 3) and not m.torus_ready
+    with pytest.raises(TopologyError, match="not divisible by ulysses degree 4"):
+        choose_mesh(Topology(2, 2), 6, "tas", ulysses_degree=4)
+    with pytest.raises(TopologyError, match="must equal the SP world size"):
+        choose_mesh(Topology(2, 2), 8, "tas", ulysses_degree=2, ring_degree=4)
+
+
+def test_volume_hand_computed_4x8():
+    # 4 x 8 GPUs, 24 heads: X = BLHD/32 per GPU; TAS sends 6/8 of Q, K, V, O off-machine = 3X,
+    # USP's ring crosses machines every step: 2X * (R - 1) = 6X.
+    B, L, H, D = 1, 32 * 64, 24, 8
+    X = B * L * H * D // 32
+    tas = counted_inter_node_elements(choose_mesh(Topology(4, 8), H, "tas"), B, L, H, D)
+    usp = counted_inter_node_elements(choose_mesh(Topology(4, 8), H, "usp"), B, L, H, D)
+    assert set(tas) == {3 * X} and set(usp) == {6 * X}
+    # the paper: per machine 4 (N-1) BLHD / N^2 and 2 (N-1) BLHD / N
+    assert paper_inter_node_elements_per_machine("sfu", 4, 8, 8, B, L, H, D) == 0.75 * B * L * H * D
+    assert paper_inter_node_elements_per_machine("usp", 4, 8, 8, B, L, H, D) == 1.5 * B * L * H * D
+
+
+@pytest.mark.parametrize("n,m,h", [(2, 2, 24), (3, 2, 24), (4, 2, 24), (2, 4, 8), (4, 8, 24), (4, 4, 32)])
+def test_counted_equals_paper_when_ulysses_spans_all_machines(n, m, h):
+    B, L, D = 2, n * m * 12, 16
+    mesh = choose_mesh(Topology(n, m), h, "tas")
+    per_rank = counted_inter_node_elements(mesh, B, L, h, D)
+    assert len(set(per_rank)) == 1
+    assert per_rank[0] * m == paper_inter_node_elements_per_machine("sfu", n, m, mesh.ulysses, B, L, h, D)
+
+
+def test_mixed_case_formulas():
+    # USP with P_r < N (4 x 2, H = 4: U4 R2): (2(P_r-1) N/P_r + 4 (N/P_r-1)/(N/P_r)) BLHD/N
+    assert paper_inter_node_elements_per_machine("usp", 4, 2, 4, 1, 8, 1, 1) == (2 * 1 * 2 + 4 * 1 / 2) * 8 / 4
+    # SFU with P_u < N (4 x 2, H = 2: U2 R4): (2(N/P_u-1) + 4 (P_u-1)/P_u N/P_u) BLHD/N
+    assert paper_inter_node_elements_per_machine("sfu", 4, 2, 2, 1, 8, 1, 1) == (2 * 1 + 4 * 0.5 * 2) * 8 / 4
+    # one machine: nothing crosses
+    assert paper_inter_node_elements_per_machine("usp", 1, 8, 8, 1, 8, 8, 8) == 0
+
+
+def test_plan_cli_json(capsys):
+    assert cli_main(["plan", "--nodes", "4", "--gpus-per-node", "8", "--heads", "24",
+                     "--seq-len", "66048", "--head-dim", "128", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["tas"]["ulysses_degree"], p["tas"]["ring_degree"], p["tas"]["torus_degree"]) == (8, 4, 4)
+    assert p["usp"]["inter_node_bytes_per_gpu"] == 2 * p["tas"]["inter_node_bytes_per_gpu"]
+    # bf16 bytes: 3 * X * 2 with X = B L H D / 32
+    assert p["swiftfusion"]["inter_node_bytes_per_gpu"] == 3 * (66048 * 24 * 128 // 32) * 2
+
+
+def test_plan_reports_fallback():
+    p = plan(3, 2, 4, 4608, 64)
+    assert p["torus"]["runs_as"] == "tas" and p["swiftfusion"]["runs_as"] == "tas"
+
+
+def test_plan_cli_bad_input(capsys):
+    assert cli_main(["plan", "--nodes", "2", "--gpus-per-node", "2", "--heads", "4",
+                     "--seq-len", "1001", "--head-dim", "64"]) == 2
+    assert "not divisible by the SP degree 4" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""The ``swiftfusion`` command: ``plan`` and ``check``.
+
+- ``swiftfusion plan``: mesh and inter-machine bytes of every strategy on a cluster shape.
+- ``swiftfusion check``: every strategy against single-device attention, on the current
+  world (under torchrun) or on an emulated ``--emulate NxM`` cluster of CPU processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+
+from .strategies import STRATEGIES
+from .topology import (Topology, TopologyError, choose_mesh, counted_inter_node_elements,
+                       paper_inter_node_elements_per_machine)
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
+         batch: int = 1, dtype: str = "bf16") -> dict[str, dict]:
+    """Per strategy: degrees and inter-machine bytes per GPU per attention layer."""
+    topo = Topology(nodes, gpus_per_node)
+    out = {}
+    for name in STRATEGIES:
+        mesh = choose_mesh(topo, heads, "usp" if name == "usp" else "tas")
+        ran_as = name
+        if name in ("torus", "swiftfusion") and not mesh.torus_ready:
+            ran_as = "tas"
+        ring = "pull" if ran_as == "swiftfusion" else "pass"
+        per_rank = counted_inter_node_elements(mesh, batch, seq_len, heads, head_dim, ring)
+        paper = paper_inter_node_elements_per_machine(
+            "usp" if name == "usp" else "sfu", nodes, gpus_per_node, mesh.ulysses,
+            batch, seq_len, heads, head_dim) / gpus_per_node
+        out[name] = {
+            "runs_as": ran_as,
+            "ulysses_degree": mesh.ulysses, "ring_degree": mesh.ring,
+            "torus_degree": mesh.torus, "ulysses_intra_degree": mesh.ulysses_intra,
+            "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
+            "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
+            "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
+        }
+    return out
+
+
+def _print_plan(p: dict[str, dict], args) -> None:
+    print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
+          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU per layer")
+    print(f"{'strategy':<12} {'runs as':<12} {'ulysses':>7} {'ring':>5} {'torus':>6} "
+          f"{'inter-node MB/GPU':>18} {'paper formula':>14}")
+    for name, r in p.items():
+        print(f"{name:<12} {r['runs_as']:<12} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
+              f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
+              f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f}")
+
+
+def _check_main(strategies, case, topology, timeout_s):
+    """Runs on every rank (torchrun or emulated)."""
+    from .check import run_checks
+    return [asdict(r) for r in run_checks(strategies, case, topology, timeout_s)]
+
+
+def _cmd_check(args) -> int:
+    from .check import CheckCase, CheckRow, format_table
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        print(f"error: unknown strategy {', '.join(bad)}; choose from {', '.join(STRATEGIES)}",
+              file=sys.stderr)
+        return 2
+    if args.kernel:
+        os.environ["SWIFTFUSION_KERNEL"] = args.kernel
+    case = CheckCase(args.heads, args.seq_len, args.head_dim, args.batch, args.dtype,
+                     args.joint_tokens, args.joint_strategy, args.seed)
+    if args.emulate:
+        from .launcher import run_emulated
+        topo = Topology.parse(args.emulate)
+        if case.seq_len % topo.world_size:
+            print(f"error: --seq-len {case.seq_len} is not divisible by the {topo.world_size} "
+                  f"ranks of --emulate {topo}", file=sys.stderr)
+            return 2
+        rows = run_emulated(_check_main, topo, strategies, case, None, args.timeout,
+                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)))[0]
+    else:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:
+                print("error: not launched by torchrun; use --emulate NxM to run on emulated "
+                      "CPU ranks, or torchrun --nproc_per_node=M --nnodes=N ...", file=sys.stderr)
+                return 2
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        rows = _check_main(strategies, case, args.topology, args.timeout)
+        if dist.get_rank() != 0:
+            return 0 if all(r["passed"] for r in rows) else 1
+    rows = [CheckRow(**r) for r in rows]
+    print(f"check: H={case.heads} L={case.seq_len} D={case.head_dim} B={case.batch} {case.dtype}"
+          + (f" joint={case.joint_tokens} {case.joint_strategy}" if case.joint_tokens else "")
+          + (f" on emulated {args.emulate}" if args.emulate else ""))
+    print(format_table(rows))
+    return 0 if all(r.passed for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swiftfusion", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pl = sub.add_parser("plan", help="mesh and inter-machine bytes per strategy")
+    pl.add_argument("--nodes", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, required=True)
+    pl.add_argument("--heads", type=int, required=True)
+    pl.add_argument("--seq-len", type=int, required=True)
+    pl.add_argument("--head-dim", type=int, required=True)
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--dtype", choices=sorted(BYTES), default="bf16")
+    pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+
+    ck = sub.add_parser("check", help="validate every strategy against single-device attention")
+    ck.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
+    ck.add_argument("--topology", metavar="NxM", help="override detected machines x GPUs (torchrun)")
+    ck.add_argument("--strategies", default=",".join(STRATEGIES))
+    ck.add_argument("--heads", type=int, default=24)
+    ck.add_argument("--seq-len", type=int, default=1152, help="global image tokens")
+    ck.add_argument("--head-dim", type=int, default=64)
+    ck.add_argument("--batch", type=int, default=1)
+    ck.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ck.add_argument("--joint-tokens", type=int, default=0, help="replicated text tokens")
+    ck.add_argument("--joint-strategy", choices=("front", "rear"), default="front")
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout in seconds")
+    ck.add_argument("--kernel", choices=("auto", "cpu", "triton", "flash"),
+                    help="local attention kernel (default: triton on CUDA, cpu otherwise)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "plan":
+            p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
+                     args.batch, args.dtype)
+            print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
+            return 0
+        return _cmd_check(args)
+    except (TopologyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

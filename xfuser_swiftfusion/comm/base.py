@@ -1,0 +1,180 @@
+"""The communicator contract every strategy is written against.
+
+Two families share one byte accounting:
+
+- ``OneSided`` (``shm`` on CPU, ``nvshmem`` on GPU): symmetric buffers allocated
+  collectively (same shape/dtype/order on every rank of the communicator), ``put`` of a
+  local tensor into a peer's copy of a symmetric buffer, ``get`` of a peer's copy into a
+  local tensor, both asynchronous on a named queue (``"ring"`` or ``"other"``; a CUDA stream
+  on GPU, a copy thread on CPU) and completed by ``Handle.wait``. ``barrier_all`` and
+  ``barrier(ranks)`` also complete every transfer the caller issued before them (quiet),
+  so data put before a barrier is visible to its target after the barrier.
+- ``TwoSided`` (``p2p``): ``exchange`` of tensors with matching sends/receives, and
+  ``all_to_all``, over torch.distributed (NCCL on GPU, gloo on CPU).
+
+Every wait takes ``what`` (a stage name such as ``"Pull-KV stage 2"``) and raises
+``CommTimeout`` naming this rank, the peer(s) and the stage when ``timeout_s`` passes.
+Ranks are global ranks of the default process group.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+QUEUES = ("ring", "other")
+
+
+class CommTimeout(TimeoutError):
+    """A wait, barrier or receive did not complete within the configured timeout."""
+
+
+class PeerFailure(RuntimeError):
+    """A peer rank died or reported an error while we depended on it."""
+
+
+@dataclass
+class ByteCounter:
+    """Payload bytes of the transfers this rank initiated, split by machine of the peer.
+
+    Two-sided: bytes this rank sent. One-sided: bytes of this rank's ``put`` (me -> peer)
+    and ``get`` (peer -> me), counted once, by the initiator, when the transfer is issued.
+    For the symmetric schedules of the strategies (every rank pulls/pushes what its peers
+    pull/push) this equals each rank's outgoing volume.
+    """
+
+    node_of: list[int]
+    rank: int
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    messages: int = 0
+
+    def count(self, peer: int, nbytes: int) -> None:
+        if peer == self.rank:
+            return
+        self.messages += 1
+        if self.node_of[peer] == self.node_of[self.rank]:
+            self.intra_node_bytes += nbytes
+        else:
+            self.inter_node_bytes += nbytes
+
+    def reset(self) -> None:
+        self.intra_node_bytes = self.inter_node_bytes = self.messages = 0
+
+
+class Handle(abc.ABC):
+    """Completion of one asynchronous transfer (or a batch of them)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until complete; raise ``CommTimeout``/``PeerFailure`` with context."""
+
+
+class DoneHandle(Handle):
+    def wait(self) -> None:
+        return None
+
+
+@dataclass
+class Communicator(abc.ABC):
+    """State common to all backends: who we are, where peers live, timeouts, counters."""
+
+    rank: int
+    world_size: int
+    node_of: list[int]
+    timeout_s: float
+    counter: ByteCounter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counter = ByteCounter(self.node_of, self.rank)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every resource (idempotent; also called on errors)."""
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OneSided(Communicator):
+    """Symmetric-heap put/get (NVSHMEM semantics)."""
+
+    @abc.abstractmethod
+    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Collective: allocate a symmetric buffer; return this rank's copy."""
+
+    @abc.abstractmethod
+    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
+        """Copy local ``src`` into ``peer``'s copy of ``dst`` (a view of a symmetric buffer)."""
+
+    @abc.abstractmethod
+    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
+        """Copy ``peer``'s copy of ``src`` (a view of a symmetric buffer) into local ``dst``."""
+
+    @abc.abstractmethod
+    def barrier_all(self, *, what: str) -> None:
+        """Quiet my transfers, then wait for every rank."""
+
+    @abc.abstractmethod
+    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
+        """Quiet my transfers, then wait for ``ranks`` (which include me)."""
+
+    @abc.abstractmethod
+    def symmetric_heap_bytes(self) -> int:
+        """Bytes of symmetric memory this rank holds."""
+
+    def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
+        """Collective over all ranks (same list everywhere): declare every group later passed
+        to ``barrier``. Backends needing per-group state (NVSHMEM teams) build it here."""
+
+    def check_transfer(self, sym: torch.Tensor, local: torch.Tensor, peer: int, queue: str) -> None:
+        """Validate a put/get before it is queued (shared by every backend)."""
+        if queue not in QUEUES:
+            raise ValueError(f"unknown queue {queue!r}; expected one of {QUEUES}")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"peer {peer} out of range for world size {self.world_size}")
+        if sym.shape != local.shape or sym.dtype != local.dtype:
+            raise ValueError(f"put/get needs equal shape and dtype, got symmetric "
+                             f"{tuple(sym.shape)} {sym.dtype} and local {tuple(local.shape)} {local.dtype}")
+
+
+class SymmetricBuffers:
+    """The symmetric buffers of one communicator, keyed by the address of their storage:
+    any view (slice, any strides, same storage) of a registered buffer resolves to its entry."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Any] = {}
+
+    def add(self, buffer: torch.Tensor, entry: Any) -> None:
+        self._entries[buffer.untyped_storage().data_ptr()] = entry
+
+    def lookup(self, view: torch.Tensor) -> Any:
+        try:
+            return self._entries[view.untyped_storage().data_ptr()]
+        except KeyError:
+            raise ValueError("tensor is not a view of a symmetric buffer of this communicator "
+                             "(allocate it with symmetric_empty)") from None
+
+    def entries(self) -> list[Any]:
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class TwoSided(Communicator):
+    """Matched send/receive over torch.distributed."""
+
+    @abc.abstractmethod
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 *, what: str) -> Handle:
+        """Post all ``(tensor, peer)`` sends and receives at once; one handle for the batch."""
+
+    @abc.abstractmethod
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *, what: str) -> None:
+        """All-to-all of equal chunks along dim 0 of ``inp`` over ``ranks`` (in that order)."""

@@ -1,0 +1,282 @@
+"""CPU symmetric heap: every rank of one host maps every other rank's buffers.
+
+Layout: buffer ``i`` of rank ``r`` is the file ``/dev/shm/sf-<token>-r<r>-b<i>`` (``token``
+random per communicator, chosen by rank 0), created ``O_EXCL`` with mode 0600, mapped
+``MAP_SHARED`` by all ranks and unlinked by its owner as soon as every rank has mapped it:
+nothing is left in /dev/shm once ``symmetric_empty`` returns, even if a rank is SIGKILLed.
+
+Each rank also owns a control buffer of ``1 + world_size`` int64: ``[0]`` its pid (0 once
+closed), ``[1 + p]`` how many barriers including rank ``p`` it has entered. Only the owner
+writes its control buffer (aligned int64 stores: no atomics needed on x86). A barrier over
+``G`` increments my count for every ``p`` in ``G`` and waits until each ``p`` has counted at
+least as many barriers including me; since any two ranks enter their common barriers in the
+same order (otherwise the program would deadlock on any backend), pairwise counts act as an
+epoch per group without having to agree on group ids.
+
+Transfers run on one copy thread per queue (FIFO, like a CUDA stream); ``copy_`` releases the
+GIL so copies overlap compute on the main thread. A barrier first quiets both queues.
+
+Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
+died or closed its communicator, ``CommTimeout`` after ``timeout_s``. So close only after a
+final barrier, as NVSHMEM's collective finalize would require anyway.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_mod
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
+
+log = logging.getLogger("xfuser_swiftfusion.comm")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "sf-"
+_LIVENESS_PERIOD_S = 0.01
+
+
+class _Copy:
+    """One queued ``dst.copy_(src)``; ``done`` is set after it ran (``error`` if it raised)."""
+
+    __slots__ = ("dst", "src", "done", "error")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst, self.src = dst, src
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _CopyQueue:
+    """A FIFO of copies executed by one daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue_mod.SimpleQueue[_Copy | None] = queue_mod.SimpleQueue()
+        self.last: _Copy | None = None
+        self.error: BaseException | None = None  # the first failed copy, raised by quiet
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> _Copy:
+        job = self.last = _Copy(dst, src)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.dst.copy_(job.src)
+            except BaseException as exc:  # reported by the waiter
+                job.error = exc
+                self.error = self.error or exc
+            job.done.set()
+            job.dst = job.src = None  # type: ignore[assignment]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
+
+
+def _process_alive(pid: int) -> bool:
+    """False if ``pid`` is gone or a zombie (a dead forked rank nobody reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _shutdown(queues: dict[str, _CopyQueue], control: torch.Tensor) -> None:
+    for q in queues.values():
+        q.stop()
+    control[0] = 0  # tell waiting peers I am gone
+
+
+class _CopyHandle(Handle):
+    def __init__(self, comm: "ShmCommunicator", job: _Copy, peer: int, doing: str,
+                 what: str) -> None:
+        self._comm, self._job, self._peer, self._doing, self._what = comm, job, peer, doing, what
+
+    def wait(self) -> None:
+        c, job, doing = self._comm, self._job, self._doing
+        deadline = time.monotonic() + c.timeout_s
+        while not job.done.wait(_LIVENESS_PERIOD_S):
+            c._check_alive(self._peer, self._what, doing)
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"rank {c.rank}: {self._what!r}: {doing} did not complete "
+                                  f"within {c.timeout_s:.1f} s")
+        if job.error is not None:
+            raise RuntimeError(f"rank {c.rank}: {self._what!r}: {doing} failed: {job.error}") \
+                from job.error
+
+
+@dataclass(eq=False)
+class ShmCommunicator(OneSided):
+    """One-sided communicator over a /dev/shm symmetric heap (all ranks on one host)."""
+
+    _buffers: SymmetricBuffers = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ShmCommunicator needs torch.distributed initialised")
+        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise ValueError(f"rank {self.rank}/{self.world_size} does not match torch.distributed "
+                             f"({dist.get_rank()}/{dist.get_world_size()})")
+        hosts: list[tuple[str, str]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(hosts, (socket.gethostname(), secrets.token_hex(8)))
+        names = sorted({h for h, _ in hosts})
+        if len(names) != 1:
+            raise RuntimeError(f"the shm backend needs all ranks on one host, got {names}")
+        self.prefix = f"{PREFIX}{hosts[0][1]}"
+        self._buffers = SymmetricBuffers()
+        self._count = 0
+        self._heap_bytes = 0
+        self._control = self._map_all((1 + self.world_size,), torch.int64)
+        self._control[self.rank][0] = os.getpid()
+        dist.barrier()  # every pid is written before anyone can wait on a peer
+        self._queues = {q: _CopyQueue(f"sf-shm-r{self.rank}-{q}") for q in QUEUES}
+        self._finalizer = weakref.finalize(self, _shutdown, self._queues, self._control[self.rank])
+        log.debug("rank %d: shm communicator %s ready", self.rank, self.prefix)
+
+    # -- symmetric heap -------------------------------------------------------------------
+
+    def _map_all(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Collective: create my segment, map every rank's, unlink mine; return all (by rank)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        size = max(numel, 1)  # an empty mapping is not allowed
+        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        name = f"{self.prefix}-r{{}}-b{self._count}"
+        self._count += 1
+        mine = os.path.join(SHM_DIR, name.format(self.rank))
+        fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            specs: list[tuple] = [None] * self.world_size  # type: ignore[list-item]
+            dist.all_gather_object(specs, (tuple(shape), str(dtype)))  # also: all files exist
+            if len(set(specs)) != 1:
+                raise ValueError(f"symmetric_empty called with different shapes/dtypes: {specs}")
+            views = [torch.from_file(os.path.join(SHM_DIR, name.format(r)), shared=True,
+                                     size=size, dtype=dtype)[:numel].view(shape)
+                     for r in range(self.world_size)]
+            dist.barrier()  # every rank mapped every segment
+        finally:
+            os.unlink(mine)
+        return views
+
+    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        views = self._map_all(tuple(shape), dtype)
+        mine = views[self.rank]
+        self._buffers.add(mine, [v.untyped_storage() for v in views])
+        self._heap_bytes += mine.numel() * mine.element_size()
+        log.debug("rank %d: symmetric buffer %s %s, heap now %d bytes", self.rank, tuple(shape),
+                  dtype, self._heap_bytes)
+        return mine
+
+    def symmetric_heap_bytes(self) -> int:
+        return self._heap_bytes
+
+    def _peer_view(self, view: torch.Tensor, peer: int) -> torch.Tensor:
+        """``peer``'s copy of ``view``: same storage offset, sizes and strides in its mapping."""
+        storage = self._buffers.lookup(view)[peer]
+        return torch.empty(0, dtype=view.dtype).set_(storage, view.storage_offset(), view.size(),
+                                                     view.stride())
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _submit(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, queue: str,
+                what: str) -> Handle:
+        """Queue ``dst.copy_(src)`` where the symmetric side is ``peer``'s copy."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"rank {self.rank}: {what!r}: {op} on a closed communicator")
+        sym, local = (dst, src) if op == "put" else (src, dst)
+        self.check_transfer(sym, local, peer, queue)
+        remote = self._peer_view(sym, peer)
+        self.counter.count(peer, sym.numel() * sym.element_size())
+        job = self._queues[queue].submit(*((remote, src) if op == "put" else (dst, remote)))
+        return _CopyHandle(self, job, peer, f"{op} with peer {peer} on queue {queue!r}", what)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
+        """Queue ``peer``'s ``dst`` <- my ``src``; ``src`` must stay unchanged until waited."""
+        return self._submit("put", dst, src, peer, queue, what)
+
+    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
+        """Queue my ``dst`` <- ``peer``'s ``src``."""
+        return self._submit("get", dst, src, peer, queue, what)
+
+    # -- synchronisation ------------------------------------------------------------------
+
+    def _check_alive(self, peer: int, what: str, doing: str) -> None:
+        if peer == self.rank:
+            return
+        pid = int(self._control[peer][0])
+        if pid == 0:
+            raise PeerFailure(f"rank {self.rank}: {what!r}: peer rank {peer} closed its "
+                              f"communicator while {doing}")
+        if not _process_alive(pid):
+            raise PeerFailure(f"rank {self.rank}: {what!r}: peer rank {peer} (pid {pid}) died "
+                              f"while {doing}")
+
+    def _quiet(self, what: str) -> None:
+        for name, q in self._queues.items():
+            if q.last is not None:
+                _CopyHandle(self, q.last, self.rank, f"quiet of queue {name!r}", what).wait()
+            if q.error is not None:
+                raise RuntimeError(f"rank {self.rank}: {what!r}: a transfer on queue {name!r} "
+                                   f"failed: {q.error}") from q.error
+
+    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in barrier group {ranks}")
+        self._quiet(what)
+        mine = self._control[self.rank]
+        peers = sorted(set(ranks) - {self.rank})
+        for p in peers:
+            mine[1 + p] += 1
+        need = {p: int(mine[1 + p]) for p in peers}
+        doing = f"in barrier over ranks {tuple(ranks)}"
+        deadline = time.monotonic() + self.timeout_s
+        spins, next_check = 0, 0.0
+        while True:
+            missing = [p for p in peers if int(self._control[p][1 + self.rank]) < need[p]]
+            if not missing:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                for p in missing:
+                    self._check_alive(p, what, doing)
+                next_check = now + _LIVENESS_PERIOD_S
+            if now > deadline:
+                raise CommTimeout(f"rank {self.rank}: {what!r}: barrier over ranks {tuple(ranks)} "
+                                  f"timed out after {self.timeout_s:.1f} s; ranks that did not "
+                                  f"arrive: {missing}")
+            spins += 1
+            time.sleep(0 if spins < 100 else min(2e-4, 5e-5 * 2 ** ((spins - 100) // 50)))
+
+    def barrier_all(self, *, what: str) -> None:
+        self.barrier(tuple(range(self.world_size)), what=what)
+
+    def close(self) -> None:
+        """Stop the copy threads and mark me closed; the mappings go with the last tensor."""
+        self._finalizer()
+        self._buffers.clear()

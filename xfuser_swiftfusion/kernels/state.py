@@ -1,0 +1,87 @@
+"""Running softmax state of one Q chunk and its merge algebra (paper appendix, "Merging
+Attention Outputs").
+
+A state is the paper's A' = [O', l, m] for every query row:
+``acc`` [B, H, L, D] is O' (the unnormalised output), ``l`` [B, H, L] the running sum and
+``m`` [B, H, L] the stabiliser, so that
+
+    output = acc / l        LSE = m + log(l)
+
+A row that has seen no keys has acc = 0, l = 0, m = -inf. All tensors are fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnState:
+    """Running state of ONE Q chunk, all fp32, on the device of the queries."""
+
+    acc: torch.Tensor  # [B, H, L, D] unnormalised output accumulator
+    m: torch.Tensor  # [B, H, L] stabiliser (running max / LSE reference), -inf initially
+    l: torch.Tensor  # [B, H, L] running sum, 0 initially
+
+    def lse(self) -> torch.Tensor:
+        """Log-sum-exp of all scores seen so far, [B, H, L] fp32; -inf for rows with no keys."""
+        return self.m + torch.log(self.l)
+
+
+def new_state(q: torch.Tensor) -> AttnState:
+    """Empty state for queries ``q`` [B, H, L, D]: acc = 0, m = -inf, l = 0 (fp32)."""
+    B, H, L, D = q.shape
+    return AttnState(
+        acc=torch.zeros(B, H, L, D, dtype=torch.float32, device=q.device),
+        m=torch.full((B, H, L), float("-inf"), dtype=torch.float32, device=q.device),
+        l=torch.zeros(B, H, L, dtype=torch.float32, device=q.device),
+    )
+
+
+def _rescale_factors(m_a: torch.Tensor, m_b: torch.Tensor):
+    """m = max(m_a, m_b) and the factors e^(m_a - m), e^(m_b - m).
+
+    Where both sides are -inf (no keys on either side) the reference is taken as 0, so both
+    factors are e^-inf = 0 instead of e^(-inf + inf) = NaN.
+    """
+    m = torch.maximum(m_a, m_b)
+    ref = m.masked_fill(m == float("-inf"), 0.0)
+    return m, torch.exp(m_a - ref), torch.exp(m_b - ref)
+
+
+def merge_states(a: AttnState, b: AttnState) -> AttnState:
+    """a ⊕ b: the exact merge of two states of the same queries over disjoint key sets.
+
+    m = max(m_a, m_b); l = l_a e^(m_a-m) + l_b e^(m_b-m); acc = acc_a e^(m_a-m) + acc_b e^(m_b-m).
+    Commutative bit for bit; associative up to rounding.
+    """
+    m, fa, fb = _rescale_factors(a.m, b.m)
+    return AttnState(
+        acc=a.acc * fa.unsqueeze(-1) + b.acc * fb.unsqueeze(-1),
+        m=m,
+        l=a.l * fa + b.l * fb,
+    )
+
+
+def merge_partial_(state: AttnState, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """state ⊕= (out, lse), in place.
+
+    ``out`` [B, H, L, D] is a normalised partial attention output (any float dtype, any
+    strides) and ``lse`` [B, H, L] its log-sum-exp: as a state it is acc = out, m = lse, l = 1.
+    """
+    m, f_state, f_part = _rescale_factors(state.m, lse.float())
+    state.acc.mul_(f_state.unsqueeze(-1)).addcmul_(out, f_part.unsqueeze(-1))
+    state.l.mul_(f_state).add_(f_part)
+    state.m.copy_(m)
+
+
+def finalize(state: AttnState, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalised output acc / l cast to ``dtype`` [B, H, L, D], written into ``out`` if given.
+
+    Rows that saw no keys (l == 0) output 0.
+    """
+    l = state.l.masked_fill(state.l == 0, 1.0)  # no-key rows: acc is 0, so the result is 0
+    if out is None:
+        out = torch.empty(state.acc.shape, dtype=dtype, device=state.acc.device)
+    return torch.div(state.acc, l.unsqueeze(-1), out=out)  # one pass, cast on write

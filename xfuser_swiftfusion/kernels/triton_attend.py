@@ -1,0 +1,324 @@
+"""Triton backend: the fused multi-chunk attention kernel of the paper (Algorithm 2).
+
+One launch computes every Q chunk against every KV chunk and merges into the running states:
+
+* grid = (sum_i ceil(Lq_i / BLOCK_M), B, H); program (x, b, h) owns one Q tile of one chunk,
+  found through the exclusive prefix sum ``cQO`` of tile counts stored in the chunk table;
+* it loads the Q tile and the running (m, l) of its rows, loops over all KV chunks and their
+  BLOCK_N tiles with the online softmax, merges the running acc (one rescale, in the
+  epilogue) and stores the state back; when finalizing it also stores acc / l in the query
+  dtype (rows with l == 0 output 0).
+
+Chunks live in different buffers, so the kernel receives one int64 table of raw addresses and
+element strides (layout next to ``NQF`` / ``NKF``) and casts addresses to typed pointers
+in the kernel. Tensors are [B, H, L, D] views with unit stride along D, 16-byte aligned, and
+B/H/L strides that are multiples of 8 elements (inputs that are not are copied first).
+
+Numerics: ``m`` stays in natural-log units (as stored by every backend) and exponentials are
+exp2 of scale * log2(e) * score - m * log2(e). Under ``TRITON_INTERPRET=1``
+(CPU tensors, used by the tests) tiles are upcast to fp32 because the interpreter gets bf16
+arithmetic wrong.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .state import AttnState, finalize
+
+# Chunk tables (int64). A Q-chunk row holds five groups (address, stride_b, stride_h,
+# stride_l) for Q, acc, m, l and the output, then Lq and the chunk's first tile (its cQO);
+# a KV-chunk row holds the groups of K and V, then Lk. Strides are in elements.
+F_Q, F_ACC, F_M, F_L, F_O = (tl.constexpr(4 * g) for g in range(5))
+F_LQ, F_TILE0, NQF = tl.constexpr(20), tl.constexpr(21), tl.constexpr(22)
+F_K, F_V, F_LK, NKF = tl.constexpr(0), tl.constexpr(4), tl.constexpr(8), tl.constexpr(9)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _rows(row, FIELD: tl.constexpr, b, h, offs):
+    """fp32 pointers to elements ``offs`` of [b, h] of the [B, H, L] tensor at ``row[FIELD:]``."""
+    base = tl.load(row + FIELD).to(tl.pointer_type(tl.float32))
+    return base + b * tl.load(row + FIELD + 1) + h * tl.load(row + FIELD + 2) + offs * tl.load(row + FIELD + 3)
+
+
+@triton.jit
+def _tile(row, FIELD: tl.constexpr, ELEM: tl.constexpr, b, h, start, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Pointers [BLOCK, HEAD_DIM] to rows [start, start + BLOCK) of [b, h] of the [B, H, L, D]
+    tensor at ``row[FIELD:]``: a 16-byte aligned scalar base plus int32 offsets (the launcher
+    guarantees the alignment, B/H/L strides that are multiples of 8 elements, and BLOCK * L
+    stride < 2**31), so that loads vectorise and pipeline."""
+    stride_l = tl.load(row + FIELD + 3)
+    base = tl.load(row + FIELD).to(tl.pointer_type(ELEM))
+    base = tl.multiple_of(base + b * tl.load(row + FIELD + 1) + h * tl.load(row + FIELD + 2) + start * stride_l, 16)
+    offs = tl.arange(0, BLOCK)[:, None] * tl.multiple_of(stride_l.to(tl.int32), 8) + tl.arange(0, HEAD_DIM)[None, :]
+    return base + offs
+
+
+@triton.jit
+def _multi_chunk_attn_kernel(
+    table,  # int64 [n_q * NQF + n_kv * NKF]: Q-chunk rows, then KV-chunk rows
+    n_q,  # number of (non-empty) Q chunks
+    n_kv,  # number of (non-empty) KV chunks
+    scale,  # softmax scale (> 0)
+    DTYPE: tl.constexpr,  # element type of Q, K, V and the output
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute tiles in fp32 (interpreter only)
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+
+    # -- which Q chunk owns this tile: the last i with cQO[i] <= tile (empty chunks are not
+    #    in the table, so cQO is strictly increasing) --
+    i = 0
+    for j in range(1, n_q):
+        i += (tl.load(table + j * NQF + F_TILE0) <= tile).to(tl.int32)
+    row = table + i * NQF
+    start_m = (tile - tl.load(row + F_TILE0)) * BLOCK_M
+    len_q = tl.load(row + F_LQ)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < len_q
+
+    # -- load the Q tile and the running (m, l) of its rows. The running acc joins in the
+    #    epilogue, rescaled by e^(m_old - m): the same value as loading it here and rescaling
+    #    it at every KV tile, with fewer live registers. --
+    q = tl.load(_tile(row, F_Q, DTYPE, b, h, start_m, BLOCK_M, HEAD_DIM), mask=mask_m[:, None], other=0.0)
+    m_addr = _rows(row, F_M, b, h, offs_m)
+    l_addr = _rows(row, F_L, b, h, offs_m)
+    m_old = tl.load(m_addr, mask=mask_m, other=float("-inf"))
+    m_i = m_old
+    l_i = tl.load(l_addr, mask=mask_m, other=0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # -- every KV chunk, every BLOCK_N tile of it: online softmax. m stays in natural-log
+    #    units (as stored); exponentials are exp2 of one FMA per score. --
+    qk_scale = scale * LOG2E
+    kv_table = table + n_q * NQF
+    for j in range(0, n_kv):
+        kv_row = kv_table + j * NKF
+        len_kv = tl.load(kv_row + F_LK)
+        for start_n in range(0, len_kv, BLOCK_N):
+            mask_n = start_n + tl.arange(0, BLOCK_N) < len_kv
+            k = tl.load(_tile(kv_row, F_K, DTYPE, b, h, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
+            v = tl.load(_tile(kv_row, F_V, DTYPE, b, h, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] unscaled scores
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            # every tile holds >= 1 valid key, so m_new is finite and no -inf - -inf arises
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
+            alpha = tl.math.exp2((m_i - m_new) * LOG2E)
+            p = tl.math.exp2(qk * qk_scale - (m_new * LOG2E)[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+
+    # -- merge the running acc, store the state (and the normalised output if finalizing) --
+    acc_ptrs = _tile(row, F_ACC, tl.float32, b, h, start_m, BLOCK_M, HEAD_DIM)
+    rescale = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2((m_old - m_i) * LOG2E))  # no -inf - -inf
+    acc += tl.load(acc_ptrs, mask=mask_m[:, None], other=0.0) * rescale[:, None]
+    tl.store(acc_ptrs, acc, mask=mask_m[:, None])
+    tl.store(m_addr, m_i, mask=mask_m)
+    tl.store(l_addr, l_i, mask=mask_m)
+    if FINALIZE:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no keys output 0
+        out = acc / l_safe[:, None]
+        o_ptrs = _tile(row, F_O, DTYPE, b, h, start_m, BLOCK_M, HEAD_DIM)
+        tl.store(o_ptrs, out.to(DTYPE), mask=mask_m[:, None])
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configurations, chosen by (head dim, GPU arch major). No autotuning at import.
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Defaults (not tuned on hardware: no GPU was available). Chosen so that the AOT compile for
+# sm_80 / sm_90 shows no register spills and shared memory fits A100 (164 KiB) / H100
+# (228 KiB) per block; tests/test_kernels_triton.py checks both for every entry.
+# >>> Add tuned configurations here: CONFIGS[(head_dim, arch_major)] = KernelConfig(...) <<<
+CONFIGS: dict[tuple[int, int], KernelConfig] = {
+    (32, 8): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (64, 8): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (128, 8): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    (32, 9): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (64, 9): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    (128, 9): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+}
+_INTERPRETER_CONFIG = KernelConfig(32, 32, 1, 1)  # small tiles keep the interpreter quick
+
+
+def pick_config(head_dim: int, arch_major: int) -> KernelConfig:
+    """Configuration for (head_dim, arch major); newer archs fall back to the newest known."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    known = sorted(a for d, a in CONFIGS if d == head_dim)
+    arch = max((a for a in known if a <= arch_major), default=known[0])
+    return CONFIGS[(head_dim, arch)]
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """B, H, L strides in elements; 0 for dims of size 1 (their stride is arbitrary)."""
+    return [st if n > 1 else 0 for n, st in zip(t.shape[:3], t.stride()[:3])]
+
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """What ``_tile`` assumes: unit stride along D, 16-byte aligned start, B/H/L strides that
+    are multiples of 8 elements, and 128-row tiles addressable with int32 offsets."""
+    strides = _strides(t)
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st % 8 == 0 for st in strides)
+        and strides[2] < 2**31 // 128
+    )
+
+
+def _as_kernel_input(t: torch.Tensor) -> torch.Tensor:
+    return t if _kernel_ready(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _check_in_place(t: torch.Tensor, what: str) -> None:
+    if not _kernel_ready(t):
+        raise ValueError(
+            f"triton backend writes {what} in place and needs it 16-byte aligned, unit stride along "
+            f"D and B/H/L strides that are multiples of 8 (got strides {tuple(t.stride())})"
+        )
+
+
+def attend_triton(
+    q_chunks: Sequence[torch.Tensor],
+    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    states: Sequence[AttnState],
+    scale: float,
+    out: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Update ``states`` (and write ``out`` when given) in ONE kernel launch.
+
+    q_chunks[i]: [B, H, Lq_i, D]; kv_chunks[j]: (K_j, V_j) [B, H, Lk_j, D]; all one dtype
+    (fp16/bf16 on GPU; fp32 too under the interpreter); D in {32, 64, 128}. Inputs that are
+    not kernel-ready (see ``_kernel_ready``) are copied; ``states[i].acc`` and ``out[i]``
+    ([B, H, Lq_i, D], query dtype, receives acc / l) are written in place, so they must be
+    kernel-ready or a ValueError is raised.
+    """
+    dtype = q_chunks[0].dtype
+    B, H, _, D = q_chunks[0].shape
+    interp = interpreting()
+    if dtype not in (torch.float16, torch.bfloat16) and not (interp and dtype == torch.float32):
+        raise TypeError(f"triton backend needs fp16/bf16 inputs (fp32 only when interpreting), got {dtype}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {D}")
+    if not scale > 0:
+        raise ValueError(f"triton backend needs a positive softmax scale, got {scale}")
+    cfg = _INTERPRETER_CONFIG if interp else pick_config(D, torch.cuda.get_device_capability(q_chunks[0].device)[0])
+
+    rows: list[int] = []  # Q-chunk rows, then KV-chunk rows (see NQF / NKF)
+    keep: list[torch.Tensor] = []  # tensors whose addresses are in the table stay alive
+    n_q = n_kv = n_tiles = 0
+    for i, (q, s) in enumerate(zip(q_chunks, states)):
+        Lq = q.shape[2]
+        if Lq == 0:
+            continue
+        q = _as_kernel_input(q)
+        _check_in_place(s.acc, "AttnState.acc")
+        o = q
+        if out is not None:
+            o = out[i]
+            if o.dtype != dtype:
+                raise TypeError(f"triton backend writes outputs in the query dtype {dtype}, got {o.dtype}")
+            _check_in_place(o, "the output")
+        keep += [q, o]
+        rows += [q.data_ptr(), *_strides(q), s.acc.data_ptr(), *_strides(s.acc)]
+        rows += [s.m.data_ptr(), *_strides(s.m), s.l.data_ptr(), *_strides(s.l)]
+        rows += [o.data_ptr(), *_strides(o), Lq, n_tiles]
+        n_tiles += triton.cdiv(Lq, cfg.block_m)
+        n_q += 1
+    for k, v in kv_chunks:
+        if k.shape[2] == 0:
+            continue
+        k, v = _as_kernel_input(k), _as_kernel_input(v)
+        keep += [k, v]
+        rows += [k.data_ptr(), *_strides(k), v.data_ptr(), *_strides(v), k.shape[2]]
+        n_kv += 1
+    if n_q == 0 or B * H == 0:
+        return
+    if n_kv == 0:  # nothing to attend to: the states stay as they are
+        for s, o in zip(states, out or []):
+            finalize(s, dtype, o)
+        return
+    table = torch.tensor(rows, dtype=torch.int64).to(q_chunks[0].device, non_blocking=True)
+    _multi_chunk_attn_kernel[(n_tiles, B, H)](
+        table, n_q, n_kv, scale,
+        DTYPE=_TL_DTYPES[dtype], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        FINALIZE=out is not None, UPCAST=interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    del keep  # freed memory is reused only by work queued after this launch on the stream
+
+
+# ---------------------------------------------------------------------------------------
+# Ahead-of-time compilation (no GPU needed): used by tests and BENCHMARKS.md.
+# ---------------------------------------------------------------------------------------
+def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = True, cfg: KernelConfig | None = None):
+    """Compile the kernel for ``sm_<arch>`` without a GPU; returns triton's CompiledKernel
+    (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` in bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = cfg or pick_config(head_dim, arch // 10)
+    src = ASTSource(
+        fn=_multi_chunk_attn_kernel,
+        signature={"table": "*i64", "n_q": "i32", "n_kv": "i32", "scale": "fp32"},
+        constexprs={
+            "DTYPE": _TL_DTYPES[dtype], "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n, "FINALIZE": finalize, "UPCAST": False,
+        },
+    )  # fmt: skip
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """Shared memory (bytes), registers per thread and stack bytes (spills) of an AOT-compiled
+    kernel, read from its cubin with the ``cuobjdump`` bundled with triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia_backend
+
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", report).groups()
+    return {"shared": compiled.metadata.shared, "registers": int(regs), "stack": int(stack)}

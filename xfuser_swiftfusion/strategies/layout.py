@@ -1,0 +1,112 @@
+"""Input checks and the head-group layouts shared by the strategies.
+
+USP contract (xFuser): ``q, k, v`` are ``[B, H, S, D]`` with rank i of the SP group holding
+tokens ``[i*S, (i+1)*S)``; joint (text) tensors are replicated ``[B, H, Tj, D]`` and the
+output is ``[B, H, Tj + S, D]`` with the text rows first (``"front"``) or last (``"rear"``).
+
+Head group ``g`` of ``G`` is heads ``[g*h, (g+1)*h)``, ``h = H / G``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+JOINT_STRATEGIES = ("front", "rear")
+
+
+class InputError(ValueError):
+    """Inputs violate the attention contract; the message names the constraint."""
+
+
+@dataclass(frozen=True)
+class Joint:
+    """Replicated text tokens: ``q, k, v`` are ``[B, H, Tj, D]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    strategy: str
+
+    @property
+    def length(self) -> int:
+        return self.q.shape[2]
+
+    def head_group(self, g: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``[B, h, Tj, D]`` of head group ``g``."""
+        h = self.q.shape[1] // groups
+        return tuple(x[:, g * h:(g + 1) * h] for x in (self.q, self.k, self.v))
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+                 ulysses_degree: int, joint_query: torch.Tensor | None = None,
+                 joint_key: torch.Tensor | None = None, joint_value: torch.Tensor | None = None,
+                 joint_strategy: str | None = None) -> Joint | None:
+    """Validate the USP contract; return the joint tokens (or None)."""
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise InputError(f"{name} must be a 4-D tensor [B, H, S_local, D], got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    if not (q.shape == k.shape == v.shape):
+        raise InputError(f"query/key/value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}; all must be [B, H, S_local, D] with the same sizes "
+                         "(GQA is not supported by this strategy: repeat K/V heads first)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise InputError(f"query/key/value devices differ: {q.device}, {k.device}, {v.device}")
+    if not q.dtype.is_floating_point:
+        raise InputError(f"attention needs floating-point inputs, got {q.dtype}")
+    B, H, S, D = q.shape
+    if H != num_heads:
+        raise InputError(f"query has {H} heads but the context was initialised with "
+                         f"num_heads={num_heads}; pass the model's head count to init_sequence_parallel")
+    if H % ulysses_degree:
+        raise InputError(f"{H} heads are not divisible by the ulysses degree {ulysses_degree}")
+    if S == 0:
+        raise InputError("local sequence length is 0; every rank needs at least one token")
+    given = [x is not None for x in (joint_query, joint_key, joint_value)]
+    if not any(given) and joint_strategy is None:
+        return None
+    if not all(given) or joint_strategy is None:
+        raise InputError("joint attention needs joint_query, joint_key, joint_value and "
+                         "joint_strategy together (got "
+                         f"{['joint_query', 'joint_key', 'joint_value'][given.index(False)] if not all(given) else 'joint_strategy=None'} missing)")
+    if joint_strategy not in JOINT_STRATEGIES:
+        raise InputError(f"joint_strategy must be one of {JOINT_STRATEGIES}, got {joint_strategy!r}")
+    for name, x in (("joint_query", joint_query), ("joint_key", joint_key), ("joint_value", joint_value)):
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise InputError(f"{name} must be [B={B}, H={H}, T, D={D}] (replicated on every rank), "
+                             f"got {tuple(x.shape)}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise InputError(f"{name} is {x.dtype} on {x.device}; query is {q.dtype} on {q.device}")
+    if not (joint_query.shape == joint_key.shape == joint_value.shape):
+        raise InputError(f"joint tensor shapes differ: {tuple(joint_query.shape)}, "
+                         f"{tuple(joint_key.shape)}, {tuple(joint_value.shape)}")
+    return Joint(joint_query, joint_key, joint_value, joint_strategy)
+
+
+def split_heads(x: torch.Tensor, *groups: int) -> torch.Tensor:
+    """``[B, H, S, D] -> [*groups, B, h, S, D]`` view, ``h = H / prod(groups)``."""
+    B, H, S, D = x.shape
+    n = len(groups)
+    # [B, H, S, D] -> [B, *groups, h, S, D] -> [*groups, B, h, S, D]
+    y = x.view(B, *groups, -1, S, D)
+    return y.permute(*range(1, n + 1), 0, n + 1, n + 2, n + 3)
+
+
+def merge_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[*groups, B, h, S, D] -> [B, H, S, D]`` (a new contiguous tensor); ``groups`` = ndim - 4."""
+    n = groups
+    # [*groups, B, h, S, D] -> [B, *groups, h, S, D] -> [B, H, S, D]
+    y = x.permute(n, *range(n), n + 1, n + 2, n + 3)
+    B, S, D = y.shape[0], y.shape[-2], y.shape[-1]
+    return y.reshape(B, -1, S, D)
+
+
+def assemble(out_img: torch.Tensor, out_txt: torch.Tensor | None, joint: Joint | None) -> torch.Tensor:
+    """Concatenate image rows ``[B, H, S, D]`` and text rows ``[B, H, Tj, D]`` as USP does."""
+    if joint is None:
+        return out_img
+    parts = (out_txt, out_img) if joint.strategy == "front" else (out_img, out_txt)
+    return torch.cat(parts, dim=2)

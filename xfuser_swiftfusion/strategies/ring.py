@@ -1,0 +1,91 @@
+"""Ring attention over the ring group, in two-sided and one-sided form.
+
+Both are ``ring(q_chunks, states, k, v, what=)``: every Q chunk (``[B, h, Lq, D]``) attends
+to the K/V block ``[n, B, h, S, D]`` (``n`` slots of ``[B, h, S, D]``) of EVERY rank of the
+ring group; partial results are merged into ``states`` (one per Q chunk) in place.
+
+- ``PassRing`` (two-sided, as ring-flash-attention): R steps; at step i the block that
+  started on ring rank ``r - i`` is attended while it is passed on to ``r + 1``.
+- ``PullRing`` (one-sided, paper Algorithm 1 RingAttn): at step i the block of ring rank
+  ``r + i`` is pulled straight from that rank's symmetric buffer while step i-1 computes.
+Both keep two receive buffers per shape, reused across calls.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..comm.base import Handle, OneSided, TwoSided
+from ..kernels import AttnState, attend
+
+
+def slots(k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[n, B, h, S, D]`` blocks -> n ``(K, V)`` chunks of ``[B, h, S, D]``."""
+    return list(zip(k.unbind(0), v.unbind(0)))
+
+
+class _Buffers:
+    """Two (K, V) receive buffers per (shape, dtype), allocated once."""
+
+    def __init__(self, alloc) -> None:
+        self._alloc = alloc
+        self._bufs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def pair(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self._bufs:
+            self._bufs[key] = [(self._alloc(like), self._alloc(like)) for _ in range(2)]
+        return self._bufs[key]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for p in self._bufs.values() for k, _ in p)
+
+
+class _Ring:
+    """The ring loop of RingAttn; subclasses say how the next block arrives."""
+
+    def __init__(self, comm, ranks: Sequence[int], r: int) -> None:
+        self.comm, self.ranks, self.r = comm, tuple(ranks), r
+        self.bufs = _Buffers(torch.empty_like)
+
+    def __call__(self, q_chunks: list[torch.Tensor], states: list[AttnState],
+                 k: torch.Tensor, v: torch.Tensor, *, scale: float, what: str) -> None:
+        R = len(self.ranks)
+        bufs = self.bufs.pair(k) if R > 1 else []
+        cur = (k, v)
+        for i in range(1, R + 1):
+            if i < R:
+                nxt = bufs[i % 2]
+                handles = self._fetch(i, (k, v), cur, nxt, what=f"{what}, ring step {i}/{R - 1}")
+            attend(q_chunks, slots(*cur), states, scale=scale)
+            if i < R:
+                for h in handles:
+                    h.wait()
+                cur = nxt
+
+    def _fetch(self, i: int, own, cur, dst, *, what: str) -> list[Handle]:
+        raise NotImplementedError
+
+
+class PassRing(_Ring):
+    """Two-sided: send the current block to ``r + 1`` while receiving from ``r - 1``."""
+
+    comm: TwoSided
+
+    def _fetch(self, i, own, cur, dst, *, what):
+        R = len(self.ranks)
+        nxt, prv = self.ranks[(self.r + 1) % R], self.ranks[(self.r - 1) % R]
+        return [self.comm.exchange([(cur[0], nxt), (cur[1], nxt)], [(dst[0], prv), (dst[1], prv)],
+                                   what=what)]
+
+
+class PullRing(_Ring):
+    """One-sided: get ring rank ``r + i``'s own block (``k``/``v`` are symmetric views)."""
+
+    comm: OneSided
+
+    def _fetch(self, i, own, cur, dst, *, what):
+        peer = self.ranks[(self.r + i) % len(self.ranks)]
+        return [self.comm.get(d, s, peer, queue="ring", what=f"{what} (from rank {peer})")
+                for d, s in zip(dst, own)]

@@ -1,0 +1,68 @@
+"""``tas``: topology-aware sequence parallelism without overlap.
+
+Ulysses all-to-all over the (strided, cross-machine) Ulysses group, ring attention over
+the (contiguous, intra-machine) Ring group, Ulysses all-to-all back — USP with the two
+dimensions swapped (paper section 4.2). Works for every mesh, also where Torus cannot run.
+
+Text tokens: this rank's text queries of head group ``g`` join the ring as one more Q
+chunk; text K/V of head group ``g`` are attended once, locally. The text output rides
+in the output all-to-all so every rank gets all heads, as in USP.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm.base import TwoSided
+from ..kernels import attend, new_state
+from ..topology import Mesh
+from .layout import Joint, assemble, merge_heads, split_heads
+from .ring import PassRing
+
+
+class TasAttention:
+    """Callable ``(q, k, v, joint) -> out`` under the USP contract, on a ``tas`` mesh."""
+
+    name = "tas"
+
+    def __init__(self, mesh: Mesh, comm: TwoSided, rank: int) -> None:
+        self.mesh, self.comm = mesh, comm
+        self.g, r = mesh.g_r_of(rank)
+        self.ulysses = mesh.ulysses_groups[r]
+        self.ring = PassRing(comm, mesh.ring_groups[self.g], r)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 joint: Joint | None, scale: float) -> torch.Tensor:
+        G, g = self.mesh.ulysses, self.g
+        S = q.shape[2]
+        Tj = joint.length if joint is not None else 0
+        # Ulysses all-to-all: [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group)
+        Q, K, V = (self._all_to_all(split_heads(x, G).contiguous(), f"Ulysses all-to-all {n}")
+                   for n, x in (("Q", q), ("K", k), ("V", v)))
+        q_chunks = list(Q.unbind(0))  # slot j: tokens of Ulysses rank j, head group g
+        if joint is not None:
+            jq, jk, jv = joint.head_group(g, G)
+            q_chunks.append(jq)
+        states = [new_state(c) for c in q_chunks]
+        if joint is not None:
+            attend(q_chunks, [(jk, jv)], states, scale=scale)
+        self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention")
+        # [G, B, h, S + Tj, D]: image rows of every slot, then the (shared) text rows
+        O = Q.new_empty(G, *Q.shape[1:3], S + Tj, Q.shape[-1])
+        attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True,
+               out=list(O[:, :, :, :S].unbind(0)))
+        if joint is not None:
+            (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
+            O[:, :, :, S:] = txt  # [B, h, Tj, D] broadcast into every slot
+        Ob = self._all_to_all(O, "Ulysses all-to-all O")
+        # [G, B, h, S + Tj, D] -> [B, H, S (+ Tj), D]
+        out_img = merge_heads(Ob[:, :, :, :S], 1)
+        out_txt = merge_heads(Ob[:, :, :, S:], 1) if joint is not None else None
+        return assemble(out_img, out_txt, joint)
+
+    def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.comm.all_to_all(out, x, self.ulysses, what=what)
+        return out
+
+    def heap_bytes(self) -> int:
+        return 0

@@ -1,0 +1,221 @@
+"""xFuser's distributed and runtime state inside an already initialised torch.distributed world.
+
+Our emulated-cluster launcher (and any torchrun script) initialises the default process group
+itself; this module brings up xFuser's own state on top of it, exactly the way xFuser does, so
+that xFuser's module-level ``USP()`` runs unmodified:
+
+- ``init_distributed_environment`` (keeps the existing default group, builds xFuser's world
+  GroupCoordinator), ``initialize_model_parallel(sequence_parallel_degree=W, ulysses_degree=,
+  ring_degree=)`` (xFuser's SP groups + ``yunchang.set_seq_parallel_pg``);
+- a runtime state built from an ``EngineConfig`` that ``xFuserArgs(...).create_config()``
+  produces (xFuser's ``ExternalRuntimeState`` class, "xDiT components outside xDiT").
+
+Placements (global ranks node-major, ``W = P_u * P_r``):
+
+- ``"usp"``: xFuser's own (yunchang ``use_ulysses_low=True``): Ulysses groups are contiguous
+  blocks of ``P_u`` ranks (intra-machine), Ring groups are strided by ``P_u``.
+- ``"tas"``: ours (``use_ulysses_low=False``): Ring groups are contiguous blocks of ``P_r``,
+  Ulysses groups are strided by ``P_r`` (across machines).
+
+``initialize_model_parallel`` does ``from yunchang import set_seq_parallel_pg`` inside its body
+and has no ``use_ulysses_low`` parameter; for ``"tas"`` the attribute ``yunchang.
+set_seq_parallel_pg`` is rebound, for the duration of that one call only, to a partial that
+passes ``use_ulysses_low=False``. ``"usp"`` leaves it untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import xfuser_compat
+
+PLACEMENTS = ("usp", "tas")
+
+
+def expected_groups(ulysses_degree: int, ring_degree: int, placement: str
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """(ulysses groups, ring groups) as lists of global ranks for one SP group starting at 0."""
+    pu, pr = ulysses_degree, ring_degree
+    w = pu * pr
+    if placement == "usp":
+        uly = [list(range(i * pu, (i + 1) * pu)) for i in range(pr)]
+        ring = [list(range(i, w, pu)) for i in range(pu)]
+    elif placement == "tas":
+        ring = [list(range(i * pr, (i + 1) * pr)) for i in range(pu)]
+        uly = [list(range(i, w, pr)) for i in range(pr)]
+    else:
+        raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
+    return uly, ring
+
+
+@contextlib.contextmanager
+def _yunchang_placement(placement: str) -> Iterator[None]:
+    """Rebind yunchang.set_seq_parallel_pg for one initialize_model_parallel call ("tas")."""
+    if placement == "usp":
+        yield
+        return
+    import yunchang
+    original = yunchang.set_seq_parallel_pg
+    yunchang.set_seq_parallel_pg = functools.partial(original, use_ulysses_low=False)
+    try:
+        yield
+    finally:
+        yunchang.set_seq_parallel_pg = original
+
+
+def _group_ranks(group) -> list[int]:
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def check_group_agreement(ulysses_degree: int, ring_degree: int, placement: str) -> None:
+    """Assert yunchang's ULYSSES_PG/RING_PG match xFuser's get_sp_group() and the placement."""
+    from yunchang.globals import PROCESS_GROUP
+    from xfuser.core.distributed import parallel_state as ps
+
+    sp = ps.get_sp_group()
+    rank = dist.get_rank()
+    uly_ranks = _group_ranks(PROCESS_GROUP.ULYSSES_PG)
+    ring_ranks = _group_ranks(PROCESS_GROUP.RING_PG)
+    exp_uly, exp_ring = expected_groups(ulysses_degree, ring_degree, placement)
+    want_uly = next(g for g in exp_uly if rank in g)
+    want_ring = next(g for g in exp_ring if rank in g)
+    problems = []
+    if uly_ranks != want_uly:
+        problems.append(f"yunchang Ulysses group {uly_ranks} != expected {want_uly}")
+    if ring_ranks != want_ring:
+        problems.append(f"yunchang Ring group {ring_ranks} != expected {want_ring}")
+    if sp.ulysses_group is not PROCESS_GROUP.ULYSSES_PG or sp.ring_group is not PROCESS_GROUP.RING_PG:
+        problems.append("xFuser SP coordinator does not hold yunchang's Ulysses/Ring groups")
+    sizes = (ps.get_ulysses_parallel_world_size(), ps.get_ring_parallel_world_size())
+    if sizes != (ulysses_degree, ring_degree) or (len(uly_ranks), len(ring_ranks)) != sizes:
+        problems.append(f"xFuser (Ulysses, Ring) sizes {sizes}, yunchang group sizes "
+                        f"{(len(uly_ranks), len(ring_ranks))}, requested "
+                        f"{(ulysses_degree, ring_degree)}")
+    if ps.get_ulysses_parallel_rank() != uly_ranks.index(rank):
+        problems.append(f"xFuser Ulysses rank {ps.get_ulysses_parallel_rank()} != "
+                        f"{uly_ranks.index(rank)}")
+    if ps.get_ring_parallel_rank() != ring_ranks.index(rank):
+        problems.append(f"xFuser Ring rank {ps.get_ring_parallel_rank()} != {ring_ranks.index(rank)}")
+    if sorted(sp.ranks) != list(range(ulysses_degree * ring_degree)):
+        problems.append(f"xFuser SP group {sp.ranks} is not the whole world")
+    if problems:
+        raise AssertionError(f"rank {rank}, placement {placement}: " + "; ".join(problems))
+
+
+def _check_backend_lse(backend) -> None:
+    """Ring > 1 merges partial results by LSE: refuse a backend whose LSE is missing or wrong
+    (e.g. SDPA returns None; yunchang's TORCH_MATH returns zeros)."""
+    from xfuser.core.distributed.attention_backend import ATTENTION_FUNCTION_REGISTRY
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 3, 8, generator=g) for _ in range(3))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    q, k, v = (t.to(device, torch.float16 if device.type == "cuda" else torch.float32)
+               for t in (q, k, v))
+    try:
+        _, lse = ATTENTION_FUNCTION_REGISTRY[backend](q, k, v, dropout_p=0.0, is_causal=False)
+    except Exception:  # backend cannot run on this probe: leave the judgement to xFuser
+        return
+    ref = torch.logsumexp(q.double() @ k.double().transpose(-1, -2) / 8 ** 0.5, dim=-1)
+    if lse is None or lse.reshape(ref.shape).double().sub(ref).abs().max().item() > 1e-2:
+        raise RuntimeError(f"attention backend {backend.name} returns no correct LSE; "
+                           "USP's ring (ring_degree > 1) would be wrong")
+
+
+def init_xfuser_parallel(ulysses_degree: int, ring_degree: int, placement: str = "usp") -> None:
+    """Bring up xFuser's groups and runtime state (SP over the whole world) the xFuser way."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
+    if not dist.is_initialized():
+        raise RuntimeError("init_xfuser_parallel needs an initialised torch.distributed world")
+    world = dist.get_world_size()
+    if ulysses_degree < 1 or ring_degree < 1 or ulysses_degree * ring_degree != world:
+        raise ValueError(f"ulysses_degree {ulysses_degree} x ring_degree {ring_degree} "
+                         f"!= world size {world}")
+    xfuser_compat.apply()
+
+    from xfuser.config import xFuserArgs
+    from xfuser.core.distributed import parallel_state as ps
+    from xfuser.core.distributed import runtime_state as rs
+
+    if ps.model_parallel_is_initialized() or ps._WORLD is not None:
+        raise RuntimeError("xFuser parallel state is already initialised; "
+                           "call destroy_xfuser_parallel() first")
+    try:
+        backend = dist.get_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        ps.init_distributed_environment(world_size=world, rank=dist.get_rank(),
+                                        local_rank=local_rank, backend=backend)
+        with _yunchang_placement(placement):
+            ps.initialize_model_parallel(sequence_parallel_degree=world,
+                                         ulysses_degree=ulysses_degree,
+                                         ring_degree=ring_degree,
+                                         backend=backend)
+        # Runtime state: USP reads attention_backend, runtime_config and fp8_comms from it.
+        engine_config, _ = xFuserArgs(ulysses_degree=ulysses_degree,
+                                      ring_degree=ring_degree).create_config()
+        state = rs.ExternalRuntimeState.__new__(rs.ExternalRuntimeState)
+        rs.RuntimeState.__init__(state, engine_config)  # ExternalRuntimeState: no env re-init
+        rs._RUNTIME = state
+        if ring_degree > 1:
+            _check_backend_lse(state.attention_backend)
+        check_group_agreement(ulysses_degree, ring_degree, placement)
+    except BaseException:
+        destroy_xfuser_parallel()  # leave no half-built state behind
+        raise
+
+
+def xfuser_usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               joint_query: torch.Tensor | None = None,
+               joint_key: torch.Tensor | None = None,
+               joint_value: torch.Tensor | None = None,
+               joint_strategy: str | None = None) -> torch.Tensor:
+    """xFuser's module-level USP on [B, H, S_local, D] shards (SP rank i: tokens i*S_local...).
+
+    Joint tensors are replicated [B, H, T, D]; with joint_strategy "front"/"rear" the output
+    is [B, H, T + S_local, D] with the text rows first/last, exactly as USP returns it.
+    """
+    from xfuser.model_executor.layers import usp as usp_module
+    return usp_module.USP(q, k, v, joint_query=joint_query, joint_key=joint_key,
+                          joint_value=joint_value, joint_strategy=joint_strategy)
+
+
+def ring_rotate_method() -> str:
+    """The K/V rotation torch's _templated_ring_attention (USP's ring) currently uses."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+    return _cp_options.rotate_method.name.lower().replace("_", "")
+
+
+def destroy_xfuser_parallel() -> None:
+    """Tear xFuser/yunchang state down (keeps the default process group) so init can rerun."""
+    if "xfuser.core.distributed.parallel_state" not in __import__("sys").modules:
+        return
+    from xfuser.core.distributed import parallel_state as ps
+    from xfuser.core.distributed import runtime_state as rs
+    from yunchang.globals import PROCESS_GROUP
+
+    rs._RUNTIME = None
+    for pg in (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG):
+        if pg is not None and pg is not dist.GroupMember.WORLD and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(pg)
+    PROCESS_GROUP.ULYSSES_PG = None
+    PROCESS_GROUP.RING_PG = None
+    ps.destroy_model_parallel()
+    if ps._DIT is not None and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(ps._DIT)
+    ps._DIT = None
+    # destroy_distributed_environment() would also destroy the default group, which belongs
+    # to whoever initialised torch.distributed; drop only xFuser's world coordinator.
+    if ps._WORLD is not None:
+        ps._WORLD.destroy()
+        ps._WORLD = None
+
+
+__all__ = ["init_xfuser_parallel", "xfuser_usp", "destroy_xfuser_parallel",
+           "check_group_agreement", "expected_groups", "ring_rotate_method", "PLACEMENTS"]
