@@ -151,3 +151,82 @@ def test_patched_sources_work_on_cpu_without_runtime_patches(tmp_path: Path):
     res = subprocess.run([sys.executable, "-c", _EQUIVALENCE_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=240)
     assert res.returncode == 0 and "EQUIVALENT" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
+
+
+_PLUGIN_SCRIPT = textwrap.dedent("""
+    import dataclasses, sys, torch
+    import xfuser                                  # the patched copy; autoload disabled
+    assert xfuser.__file__.startswith(sys.argv[1]), xfuser.__file__
+    from xfuser.config import FlexibleArgumentParser, xFuserArgs
+    assert not getattr(xFuserArgs, "__swiftfusion__", False)   # no run-time plugin
+    ns = xFuserArgs.add_runner_args(FlexibleArgumentParser()).parse_args(
+        ["--model", "m", "--sp-strategy", "tas", "--topology", "2x2"])
+    assert (ns.sp_strategy, ns.topology) == ("tas", "2x2")
+    assert {"sp_strategy", "topology"} <= {f.name for f in dataclasses.fields(xFuserArgs)}
+    from xfuser.model_executor.models.runner_models import base_model
+    ev = base_model._timing_event(); ev.record(); end = base_model._timing_event(); end.record()
+    assert ev.elapsed_time(end) >= 0.0
+    from xfuser.model_executor.models.transformers import transformer_flux as tf
+    from diffusers import FluxTransformer2DModel
+    from xfuser_swiftfusion.launcher import run_emulated
+    from xfuser_swiftfusion import xfuser_state as xs
+
+    CFG = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+               attention_head_dim=8, num_attention_heads=8, joint_attention_dim=32,
+               pooled_projection_dim=16, guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+
+    def flux(img, text):
+        torch.manual_seed(0)
+        ref = FluxTransformer2DModel(**CFG).eval()
+        par = tf.xFuserFlux1Transformer2DWrapper(**CFG).eval()
+        par.load_state_dict(ref.state_dict())
+        g = torch.Generator().manual_seed(1)
+        i = torch.arange(img, dtype=torch.float32)
+        x = dict(hidden_states=torch.randn(1, img, 16, generator=g),
+                 encoder_hidden_states=torch.randn(1, text, 32, generator=g),
+                 pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+                 img_ids=torch.stack([torch.zeros_like(i), i // 4, i % 4], -1),
+                 txt_ids=torch.zeros(text, 3))
+        with torch.no_grad():
+            want = ref(**x).sample.double()
+            got = par(**x).sample.double()
+        return (got - want).abs().max().item() / want.abs().max().item()
+
+    def rank():
+        xs.init_xfuser_parallel(4, 1, "usp")
+        try:
+            err = flux(16, 7)                      # bug 2 fixed by the source patch
+            try:
+                flux(15, 8)
+                bug1 = "no error"
+            except ValueError as exc:              # bug 1: a clear error, not AttributeError
+                bug1 = str(exc)
+            return err, bug1
+        finally:
+            xs.destroy_xfuser_parallel()
+
+    for err, bug1 in run_emulated(rank, "2x2", timeout_s=180):
+        assert err < 1e-4, err
+        assert "not divisible by the sequence parallel degree 4" in bug1, bug1
+    print("PLUGIN PATCH OK")
+""")
+
+
+def test_plugin_patch_works_without_runtime_plugin(tmp_path: Path):
+    """The patched copy: --sp_strategy parses, CPU timing works, both Flux bugs are fixed,
+    with the run-time plugin off (SWIFTFUSION_AUTOLOAD=0, nothing calls install())."""
+    root = _site_root()
+    shutil.copytree(root / "xfuser", tmp_path / "xfuser",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in PATCHES:
+        _pristine_copy(patch, tmp_path)
+        cmd = (["patch", "-p1", "--force", "-i", str(patch)] if shutil.which("patch")
+               else ["git", "apply", "-p1", str(patch)])
+        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+               PYTHONDONTWRITEBYTECODE="1", SWIFTFUSION_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _PLUGIN_SCRIPT, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
+    assert res.returncode == 0 and "PLUGIN PATCH OK" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-6000:]

@@ -271,7 +271,9 @@ def test_runtime_state_selects_lse_backend_on_cpu():
 
 def _python(*parts: str) -> subprocess.Popen:
     code = "".join(textwrap.dedent(part) for part in parts)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    # the .pth autoloader would apply the compatibility layer before these checks can see
+    # a bare `import xfuser` fail on CPU
+    env = dict(os.environ, SWIFTFUSION_AUTOLOAD="0", PYTHONPATH=os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-c", code], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

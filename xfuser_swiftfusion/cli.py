@@ -22,11 +22,15 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
-         batch: int = 1, dtype: str = "bf16") -> dict[str, dict]:
-    """Per strategy: degrees and inter-machine bytes per GPU per attention layer."""
+         batch: int = 1, dtype: str = "bf16", hardware: str = "p4de") -> dict[str, dict]:
+    """Per strategy: degrees, inter-machine bytes per GPU and predicted latency per attention
+    layer on ``hardware``; ``"recommended"``: the (strategy, degrees) ``auto`` would pick."""
+    from .cost_model import Workload, get_profile, predict, recommend
     topo = Topology(nodes, gpus_per_node)
+    work = Workload(batch, seq_len, heads, head_dim, dtype)
+    profile = get_profile(hardware, topo)
     out = {}
-    for name in STRATEGIES:
+    for name in (s for s in STRATEGIES if s != "auto"):
         mesh = choose_mesh(topo, heads, "usp" if name == "usp" else "tas")
         ran_as = name
         if name in ("torus", "swiftfusion") and not mesh.torus_ready:
@@ -43,19 +47,30 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
             "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
             "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
             "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
+            "predicted_latency_s": predict(name, topo, work, profile).latency_s,
         }
+    best = recommend(topo, work, profile)
+    out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
+                          "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
+                          "hardware": profile.name}
     return out
 
 
 def _print_plan(p: dict[str, dict], args) -> None:
     print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
-          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU per layer")
+          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and "
+          f"predicted latency per layer ({args.hardware})")
     print(f"{'strategy':<12} {'runs as':<12} {'ulysses':>7} {'ring':>5} {'torus':>6} "
-          f"{'inter-node MB/GPU':>18} {'paper formula':>14}")
+          f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13}")
+    rec = p["recommended"]
     for name, r in p.items():
-        print(f"{name:<12} {r['runs_as']:<12} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
-              f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
-              f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f}")
+        if name != "recommended":
+            print(f"{name:<12} {r['runs_as']:<12} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
+                  f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
+                  f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
+                  f"{r['predicted_latency_s'] * 1e3:>13.3f}")
+    print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
+          f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer")
 
 
 def _check_main(strategies, case, topology, timeout_s):
@@ -72,7 +87,14 @@ def _cmd_check(args) -> int:
         print(f"error: unknown strategy {', '.join(bad)}; choose from {', '.join(STRATEGIES)}",
               file=sys.stderr)
         return 2
-    if args.kernel:
+    if args.kernel and args.kernel != "auto":  # auto: the device default
+        from .kernels.dispatch import select_backend
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.emulate else "cpu")
+        try:  # refuse here, before any rank starts
+            select_backend(device, args.kernel)
+        except RuntimeError as exc:
+            print(f"error: --kernel {args.kernel}: {exc}", file=sys.stderr)
+            return 2
         os.environ["SWIFTFUSION_KERNEL"] = args.kernel
     case = CheckCase(args.heads, args.seq_len, args.head_dim, args.batch, args.dtype,
                      args.joint_tokens, args.joint_strategy, args.seed)
@@ -83,8 +105,12 @@ def _cmd_check(args) -> int:
             print(f"error: --seq-len {case.seq_len} is not divisible by the {topo.world_size} "
                   f"ranks of --emulate {topo}", file=sys.stderr)
             return 2
+        link = None
+        if args.link_mbit:
+            from .netns import LinkSpec
+            link = LinkSpec(args.link_mbit)
         rows = run_emulated(_check_main, topo, strategies, case, None, args.timeout,
-                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)))[0]
+                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)), link=link)[0]
     else:
         import torch.distributed as dist
         if not dist.is_initialized():
@@ -101,7 +127,8 @@ def _cmd_check(args) -> int:
     rows = [CheckRow(**r) for r in rows]
     print(f"check: H={case.heads} L={case.seq_len} D={case.head_dim} B={case.batch} {case.dtype}"
           + (f" joint={case.joint_tokens} {case.joint_strategy}" if case.joint_tokens else "")
-          + (f" on emulated {args.emulate}" if args.emulate else ""))
+          + (f" on emulated {args.emulate}" if args.emulate else "")
+          + (f" over {args.link_mbit:g} Mbit/s links" if args.emulate and args.link_mbit else ""))
     print(format_table(rows))
     return 0 if all(r.passed for r in rows) else 1
 
@@ -120,9 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=1)
     pl.add_argument("--dtype", choices=sorted(BYTES), default="bf16")
     pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+    pl.add_argument("--hardware", default="p4de", help="cost-model profile: p4de, p5, h100-ndr, "
+                    "cpu-emulated (default p4de)")
 
     ck = sub.add_parser("check", help="validate every strategy against single-device attention")
     ck.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
+    ck.add_argument("--link-mbit", type=float, metavar="RATE",
+                    help="with --emulate: one network namespace per machine, links throttled to "
+                         "RATE Mbit/s each way (needs root)")
     ck.add_argument("--topology", metavar="NxM", help="override detected machines x GPUs (torchrun)")
     ck.add_argument("--strategies", default=",".join(STRATEGIES))
     ck.add_argument("--heads", type=int, default=24)
@@ -136,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout in seconds")
     ck.add_argument("--kernel", choices=("auto", "cpu", "triton", "flash"),
                     help="local attention kernel (default: triton on CUDA, cpu otherwise)")
+
+    from .compare import add_arguments as add_compare_arguments
+    add_compare_arguments(sub.add_parser(
+        "compare", help="run a model under every strategy: latency, bytes, memory, error"))
     return p
 
 
@@ -144,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
-                     args.batch, args.dtype)
+                     args.batch, args.dtype, args.hardware)
             print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
             return 0
+        if args.cmd == "compare":
+            from .compare import cmd_compare
+            return cmd_compare(args)
         return _cmd_check(args)
     except (TopologyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .netns import LinkSpec, Network, emulated_network, enter_machine
 from .topology import TOPOLOGY_ENV, Topology
 
 
@@ -47,7 +49,8 @@ def free_port() -> int:
 
 
 def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
-           conn, threads: int, env: dict[str, str], pg_timeout_s: float) -> None:
+           conn, threads: int, env: dict[str, str], pg_timeout_s: float,
+           net: Network | None = None) -> None:
     # A fresh process group per child; parent signal handlers must not run here.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.update(env)
@@ -61,9 +64,12 @@ def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
     torch.set_num_threads(threads)
     status: tuple[str, Any]
     try:
+        master = "127.0.0.1"
+        if net is not None:  # join my machine's namespace before any socket or thread exists
+            master = os.environ["MASTER_ADDR"] = enter_machine(net, topo.node_of(rank))
         dist.init_process_group(
             "gloo", rank=rank, world_size=topo.world_size,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master}:{port}",
             timeout=timedelta(seconds=pg_timeout_s))
         try:
             status = ("ok", fn(*args))
@@ -81,8 +87,11 @@ def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
 
 def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                  timeout_s: float = 120.0, threads_per_rank: int | None = None,
-                 env: dict[str, str] | None = None) -> list[Any]:
+                 env: dict[str, str] | None = None, link: LinkSpec | None = None) -> list[Any]:
     """Run ``fn(*args)`` on an emulated ``NxM`` cluster; return per-rank results.
+
+    ``link``: give every machine its own network namespace joined by a real link of
+    ``link.rate_mbit`` each way (``netns.py``; needs root). Default: all ranks on loopback.
 
     Raises ``EmulationError`` naming every failed rank (with its traceback) if any rank
     raises, dies or does not finish within ``timeout_s``.
@@ -96,11 +105,13 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
     env = dict(env or {})
     pg_timeout = max(10.0, timeout_s)
     procs, conns = [], []
+    network = contextlib.ExitStack()
     try:
+        net = network.enter_context(emulated_network(topo.nodes, link)) if link else None
         for rank in range(world):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, args=(rank, topo, port, fn, args, child_conn,
-                                                 threads_per_rank, env, pg_timeout),
+                                                 threads_per_rank, env, pg_timeout, net),
                             daemon=True)
             p.start()
             child_conn.close()
@@ -124,6 +135,7 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                 try:
                     kind, payload = pickle.loads(c.recv_bytes())
                 except EOFError:
+                    procs[r].join(timeout=1.0)  # reap it, so that its exit code is known
                     kind, payload = "error", f"died (exit code {procs[r].exitcode})"
                 done[r] = True
                 if kind == "ok":
@@ -141,6 +153,7 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                         try:
                             kind, payload = pickle.loads(c.recv_bytes())
                         except EOFError:
+                            procs[r].join(timeout=1.0)
                             kind, payload = "error", f"died (exit code {procs[r].exitcode})"
                         done[r] = True
                         if kind != "ok":
@@ -163,3 +176,4 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                 p.join(timeout=5)
         for c in conns:
             c.close()
+        network.close()  # after every rank is reaped

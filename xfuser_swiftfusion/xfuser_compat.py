@@ -12,14 +12,21 @@ Accelerators" on CPU), but ``import xfuser.envs`` first executes ``xfuser/__init
 imports all of xFuser, so envs cannot be imported and patched "first". Patching ``xfuser.envs``
 the moment it finishes executing is the narrowest seam that needs no fake CUDA.
 
-``apply()`` is a no-op when ``torch.cuda.is_available()``, and idempotent. The same changes as
-source diffs against pristine xfuser 0.7.0 live in ``patches/xfuser-0.7.0-cpu.patch``.
+``apply()`` is a no-op when ``torch.cuda.is_available()``, and idempotent. It also lets xFuser's
+runner (``xdit`` / ``python -m xfuser.runner``) run on CPU: timing with ``time.perf_counter``
+instead of CUDA events, no CUDA sync, the pipeline left on CPU. The same changes as source diffs
+against pristine xfuser 0.7.0 live in ``patches/xfuser-0.7.0-cpu.patch`` and (runner)
+``patches/xfuser-0.7.0-plugin.patch``.
+
+``add_post_import_hook`` / ``add_post_import_prefix_hook`` expose the same post-import machinery
+on every device (``xfuser_plugin`` uses it for ``--sp-strategy`` and the USP routing).
 """
 from __future__ import annotations
 
 import importlib.abc
 import sys
 import threading
+import time
 from types import ModuleType
 from typing import Callable
 
@@ -182,7 +189,127 @@ def patch_yunchang_update_npu_out(ring_utils: ModuleType) -> None:
         ring_utils.update_npu_out = _update_npu_out
 
 
-# module name -> patches to run right after the module body has executed
+class _PerfCounterEvent:
+    """CPU stand-in for ``torch.cuda.Event(enable_timing=True)``: wall time by perf_counter."""
+
+    def __init__(self, enable_timing: bool = False, **_: object) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        """CPU work is synchronous: nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_PerfCounterEvent") -> float:
+        """Milliseconds from this event to ``end`` (CUDA's unit)."""
+        if self._t is None or end._t is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end._t - self._t) * 1000.0
+
+
+class _HostCuda:
+    """The ``torch.cuda`` calls xFuser's runner makes for timing, syncing and memory logs,
+    answered for a machine without CUDA (no device memory: 0 bytes). Anything else is torch's."""
+
+    Event = _PerfCounterEvent
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        """Nothing to wait for on CPU."""
+
+    @staticmethod
+    def empty_cache() -> None:
+        """No device allocator on CPU."""
+
+    @staticmethod
+    def memory_allocated(device: object = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(device: object = None) -> int:
+        return 0
+
+    @staticmethod
+    def reset_peak_memory_stats(device: object = None) -> None:
+        """No device allocator on CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+class _HostTorch(ModuleType):
+    """``torch`` as seen by one xFuser module on CPU: ``torch.cuda`` is ``_HostCuda``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _HostCuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+_HOST_TORCH = _HostTorch()
+
+
+def patch_host_torch(module: ModuleType) -> None:
+    """The runner (``xfuser/runner.py`` cleanup) and ``base_model.py`` (``run`` /
+    ``_run_timed_pipe`` timing) call ``torch.cuda.Event/synchronize`` unconditionally; give
+    these modules a ``torch`` whose ``cuda`` times with ``time.perf_counter`` on CPU."""
+    if getattr(module, "torch", None) is torch:
+        module.torch = _HOST_TORCH
+
+
+class _HostPipe:
+    """A pipeline whose ``.to("cuda:N")`` is a no-op on CPU (it already lives there)."""
+
+    def __init__(self, pipe) -> None:
+        self._pipe = pipe
+
+    def to(self, *args, **kwargs):
+        devices = [a for a in args if isinstance(a, (str, torch.device))]
+        devices += [kwargs[k] for k in ("device",) if k in kwargs]
+        if any(torch.device(d).type == "cuda" for d in devices):
+            return self._pipe
+        return self._pipe.to(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._pipe, name)
+
+
+def patch_placement_host_device(placement: ModuleType) -> None:
+    """``place_pipeline_components`` moves the pipeline to ``f"cuda:{local_rank}"``; on CPU
+    the pipeline stays where ``from_pretrained`` put it."""
+    original = placement.place_pipeline_components
+    if _is_patched(original):
+        return
+
+    def place_pipeline_components(loader) -> None:
+        model = loader.model
+        model.pipe = _HostPipe(model.pipe)
+        try:
+            original(loader)
+        finally:
+            if isinstance(model.pipe, _HostPipe):
+                model.pipe = model.pipe._pipe
+
+    placement.place_pipeline_components = _mark(place_pipeline_components, original)
+
+
+def patch_runner_main(base_model: ModuleType) -> None:
+    """``python -m xfuser.runner`` runs the runner as ``__main__`` (runpy executes its code
+    object directly, so no import hook sees it); it imports ``base_model`` right after
+    ``import torch``, so give the ``__main__`` namespace the CPU ``torch`` here."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if main is not None and getattr(spec, "name", None) == "xfuser.runner":
+        patch_host_torch(main)
+
+
+# module name -> patches to run right after the module body has executed (CPU only)
 _HOOKS: dict[str, tuple[Callable[[ModuleType], None], ...]] = {
     "xfuser.envs": (patch_envs_device_version, patch_envs_distributed_backend,
                     patch_envs_long_ctx_check),
@@ -192,7 +319,16 @@ _HOOKS: dict[str, tuple[Callable[[ModuleType], None], ...]] = {
     "xfuser.core.sparge_attention.head_balance": (patch_process_group_global,),
     "xfuser.core.distributed.fp8_comms": (patch_process_group_global,),
     "yunchang.ring.utils": (patch_yunchang_update_npu_out,),
+    "xfuser.model_executor.models.runner_models.base_model": (patch_host_torch,
+                                                              patch_runner_main),
+    "xfuser.model_executor.models.runner_models.loading.placement": (
+        patch_placement_host_device,),
 }
+
+# module name -> hooks other parts of the package registered (on every device)
+_EXTRA_HOOKS: dict[str, list[Callable[[ModuleType], None]]] = {}
+# (name prefix, hook): run after every module whose name starts with the prefix
+_PREFIX_HOOKS: list[tuple[str, Callable[[ModuleType], None]]] = []
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,8 +336,14 @@ _HOOKS: dict[str, tuple[Callable[[ModuleType], None], ...]] = {
 # --------------------------------------------------------------------------------------------
 
 def _run_hooks(module: ModuleType) -> None:
-    for patch in _HOOKS.get(module.__name__, ()):
-        patch(module)
+    if _applied:
+        for patch in _HOOKS.get(module.__name__, ()):
+            patch(module)
+    for hook in tuple(_EXTRA_HOOKS.get(module.__name__, ())):
+        hook(module)
+    for prefix, hook in tuple(_PREFIX_HOOKS):
+        if module.__name__.startswith(prefix):
+            hook(module)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -227,7 +369,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds hooked modules through the other finders and wraps their loader."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _HOOKS:
+        if not ((_applied and fullname in _HOOKS) or fullname in _EXTRA_HOOKS
+                or any(fullname.startswith(prefix) for prefix, _ in _PREFIX_HOOKS)):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -266,13 +409,14 @@ def apply() -> None:
     with _lock:
         _install_finder()
         _forget_failed_xfuser_import()
+        _applied = True
         # Modules imported before apply() (or left behind by a failed `import xfuser`) are
         # patched in place; envs first, since the long-context flag fix-up scans the others.
         for name in _HOOKS:
             mod = sys.modules.get(name)
             if mod is not None:
-                _run_hooks(mod)
-        _applied = True
+                for patch in _HOOKS[name]:
+                    patch(mod)
 
 
 def is_applied() -> bool:
@@ -280,4 +424,27 @@ def is_applied() -> bool:
     return _applied
 
 
-__all__ = ["apply", "is_applied"]
+def add_post_import_hook(module_name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` right after ``module_name`` executes (at once if it already has),
+    on every device. Hooks must be idempotent; registering the same hook twice is a no-op."""
+    with _lock:
+        hooks = _EXTRA_HOOKS.setdefault(module_name, [])
+        if hook in hooks:
+            return
+        hooks.append(hook)
+        _install_finder()
+        mod = sys.modules.get(module_name)
+    if mod is not None:
+        hook(mod)
+
+
+def add_post_import_prefix_hook(prefix: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` after every module named ``prefix...`` executes from now on
+    (modules already imported are not revisited). Idempotent per (prefix, hook)."""
+    with _lock:
+        if (prefix, hook) not in _PREFIX_HOOKS:
+            _PREFIX_HOOKS.append((prefix, hook))
+        _install_finder()
+
+
+__all__ = ["apply", "is_applied", "add_post_import_hook", "add_post_import_prefix_hook"]

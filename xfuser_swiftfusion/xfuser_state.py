@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -142,7 +143,9 @@ def init_xfuser_parallel(ulysses_degree: int, ring_degree: int, placement: str =
     from xfuser.core.distributed import parallel_state as ps
     from xfuser.core.distributed import runtime_state as rs
 
-    if ps.model_parallel_is_initialized() or ps._WORLD is not None:
+    # xFuser's world coordinator may exist already (xFuserArgs.create_config builds it); its
+    # model-parallel groups must not.
+    if ps.model_parallel_is_initialized():
         raise RuntimeError("xFuser parallel state is already initialised; "
                            "call destroy_xfuser_parallel() first")
     try:
@@ -184,6 +187,19 @@ def xfuser_usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           joint_value=joint_value, joint_strategy=joint_strategy)
 
 
+def xfuser_parallel_initialized() -> bool:
+    """True when xFuser's model-parallel groups exist (whoever built them)."""
+    ps = sys.modules.get("xfuser.core.distributed.parallel_state")
+    return ps is not None and ps.model_parallel_is_initialized()
+
+
+def xfuser_sp_layout() -> tuple[int, int, list[int]]:
+    """(Ulysses degree, Ring degree, SP group ranks) of xFuser's current parallel state."""
+    from xfuser.core.distributed import parallel_state as ps
+    return (ps.get_ulysses_parallel_world_size(), ps.get_ring_parallel_world_size(),
+            sorted(ps.get_sp_group().ranks))
+
+
 def ring_rotate_method() -> str:
     """The K/V rotation torch's _templated_ring_attention (USP's ring) currently uses."""
     from torch.distributed.tensor.experimental._attention import _cp_options
@@ -192,7 +208,7 @@ def ring_rotate_method() -> str:
 
 def destroy_xfuser_parallel() -> None:
     """Tear xFuser/yunchang state down (keeps the default process group) so init can rerun."""
-    if "xfuser.core.distributed.parallel_state" not in __import__("sys").modules:
+    if "xfuser.core.distributed.parallel_state" not in sys.modules:
         return
     from xfuser.core.distributed import parallel_state as ps
     from xfuser.core.distributed import runtime_state as rs
@@ -218,4 +234,5 @@ def destroy_xfuser_parallel() -> None:
 
 
 __all__ = ["init_xfuser_parallel", "xfuser_usp", "destroy_xfuser_parallel",
+           "xfuser_parallel_initialized", "xfuser_sp_layout",
            "check_group_agreement", "expected_groups", "ring_rotate_method", "PLACEMENTS"]

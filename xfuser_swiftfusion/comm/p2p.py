@@ -87,15 +87,19 @@ class P2PCommunicator(TwoSided):
                 raise ValueError(f"rank {self.rank}: {what!r}: invalid exchange peer {p} "
                                  "(copy locally instead of exchanging with yourself)")
         works, unstage = [], []
-        with self._issue_stream():
-            for t, p in recvs:
-                buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                works.append(dist.irecv(buf, src=p, group=self._group(p, self.rank)))
-                if buf is not t:
-                    unstage.append((t, buf))
-            for t, p in sends:
-                works.append(dist.isend(t.contiguous(), dst=p, group=self._group(self.rank, p)))
-                self.counter.count(p, t.numel() * t.element_size())
+        try:
+            with self._issue_stream():
+                for t, p in recvs:
+                    buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                    works.append(dist.irecv(buf, src=p, group=self._group(p, self.rank)))
+                    if buf is not t:
+                        unstage.append((t, buf))
+                for t, p in sends:
+                    works.append(dist.isend(t.contiguous(), dst=p, group=self._group(self.rank, p)))
+                    self.counter.count(p, t.numel() * t.element_size())
+        except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
+            raise PeerFailure(f"rank {self.rank}: {what!r}: posting an exchange with peers {peers} "
+                              f"failed: {exc}") from exc
         return _WorkHandle(self, works, unstage, peers, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *,

@@ -1,4 +1,8 @@
-"""CPU symmetric heap: every rank of one host maps every other rank's buffers.
+"""CPU symmetric heap: every rank maps the buffers of the ranks on its machine; peers on
+other machines are reached through a TCP proxy (``proxy.py``), as NVSHMEM reaches them over
+the network. ``cross_node="shm"`` (or ``$SWIFTFUSION_SHM_CROSS_NODE=shm``) maps every rank
+of the host instead (faster, but cross-machine bytes then never touch a network; refused
+inside an emulated network, see ``netns.py``).
 
 Layout: buffer ``i`` of rank ``r`` is the file ``/dev/shm/sf-<token>-r<r>-b<i>`` (``token``
 random per communicator, chosen by rank 0), created ``O_EXCL`` with mode 0600, mapped
@@ -6,22 +10,26 @@ random per communicator, chosen by rank 0), created ``O_EXCL`` with mode 0600, m
 nothing is left in /dev/shm once ``symmetric_empty`` returns, even if a rank is SIGKILLed.
 
 Each rank also owns a control buffer of ``1 + world_size`` int64: ``[0]`` its pid (0 once
-closed), ``[1 + p]`` how many barriers including rank ``p`` it has entered. Only the owner
+closed), ``[1 + p]`` how many barriers including rank ``p`` it has entered; a peer on another
+machine learns that count from a proxy ``ARRIVE`` message instead of reading it. Only the owner
 writes its control buffer (aligned int64 stores: no atomics needed on x86). A barrier over
 ``G`` increments my count for every ``p`` in ``G`` and waits until each ``p`` has counted at
 least as many barriers including me; since any two ranks enter their common barriers in the
 same order (otherwise the program would deadlock on any backend), pairwise counts act as an
 epoch per group without having to agree on group ids.
 
-Transfers run on one copy thread per queue (FIFO, like a CUDA stream); ``copy_`` releases the
-GIL so copies overlap compute on the main thread. A barrier first quiets both queues.
+Transfers run on one copy thread per queue (FIFO, like a CUDA stream), local copies and proxy
+requests alike; ``copy_`` and socket I/O release the GIL so transfers overlap compute on the
+main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied).
 
 Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
-died or closed its communicator, ``CommTimeout`` after ``timeout_s``. So close only after a
+died or closed its communicator (on another machine: its proxy connection ended without /
+with ``BYE``), ``CommTimeout`` after ``timeout_s``. So close only after a
 final barrier, as NVSHMEM's collective finalize would require anyway.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue as queue_mod
@@ -31,26 +39,32 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..netns import NETNS_ENV
 from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
+from .proxy import PROXY_ADDR_ENV, Proxy, view_meta
 
 log = logging.getLogger("xfuser_swiftfusion.comm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sf-"
 _LIVENESS_PERIOD_S = 0.01
+CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
+CROSS_NODE_MODES = ("proxy", "shm")
 
 
 class _Copy:
-    """One queued ``dst.copy_(src)``; ``done`` is set after it ran (``error`` if it raised)."""
+    """One queued transfer ``fn()`` (a local ``copy_`` or a proxy request); ``done`` is set
+    after it ran (``error`` if it raised)."""
 
-    __slots__ = ("dst", "src", "done", "error")
+    __slots__ = ("fn", "done", "error")
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.dst, self.src = dst, src
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -65,20 +79,20 @@ class _CopyQueue:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> _Copy:
-        job = self.last = _Copy(dst, src)
+    def submit(self, fn: Callable[[], object]) -> _Copy:
+        job = self.last = _Copy(fn)
         self._jobs.put(job)
         return job
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                job.dst.copy_(job.src)
+                job.fn()
             except BaseException as exc:  # reported by the waiter
                 job.error = exc
                 self.error = self.error or exc
             job.done.set()
-            job.dst = job.src = None  # type: ignore[assignment]
+            job.fn = None  # type: ignore[assignment]
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -101,9 +115,11 @@ def _process_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _shutdown(queues: dict[str, _CopyQueue], control: torch.Tensor) -> None:
+def _shutdown(queues: dict[str, _CopyQueue], control: torch.Tensor, proxy: Proxy | None) -> None:
     for q in queues.values():
         q.stop()
+    if proxy is not None:
+        proxy.close()
     control[0] = 0  # tell waiting peers I am gone
 
 
@@ -121,14 +137,19 @@ class _CopyHandle(Handle):
                 raise CommTimeout(f"rank {c.rank}: {self._what!r}: {doing} did not complete "
                                   f"within {c.timeout_s:.1f} s")
         if job.error is not None:
-            raise RuntimeError(f"rank {c.rank}: {self._what!r}: {doing} failed: {job.error}") \
-                from job.error
+            c._check_alive(self._peer, self._what, doing)  # a dead peer is named as such
+            kind = (type(job.error) if isinstance(job.error, (PeerFailure, CommTimeout)) else
+                    PeerFailure if isinstance(job.error, OSError) else RuntimeError)
+            raise kind(f"rank {c.rank}: {self._what!r}: {doing} failed: {job.error}") from job.error
 
 
 @dataclass(eq=False)
 class ShmCommunicator(OneSided):
-    """One-sided communicator over a /dev/shm symmetric heap (all ranks on one host)."""
+    """One-sided communicator over a /dev/shm symmetric heap within a machine and a TCP proxy
+    across machines (``cross_node="proxy"``, the default), or /dev/shm for every rank of the
+    host (``cross_node="shm"``)."""
 
+    cross_node: str = field(default_factory=lambda: os.environ.get(CROSS_NODE_ENV, "proxy"))
     _buffers: SymmetricBuffers = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,33 +159,64 @@ class ShmCommunicator(OneSided):
         if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise ValueError(f"rank {self.rank}/{self.world_size} does not match torch.distributed "
                              f"({dist.get_rank()}/{dist.get_world_size()})")
+        if self.cross_node not in CROSS_NODE_MODES:
+            raise ValueError(f"cross_node must be one of {CROSS_NODE_MODES}, got {self.cross_node!r}")
+        if self.cross_node == "shm" and os.environ.get(NETNS_ENV) and len(set(self.node_of)) > 1:
+            raise RuntimeError(f"{CROSS_NODE_ENV}=shm would move inter-machine bytes through "
+                               "/dev/shm, bypassing the emulated network's links; use 'proxy'")
         hosts: list[tuple[str, str]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(hosts, (socket.gethostname(), secrets.token_hex(8)))
-        names = sorted({h for h, _ in hosts})
+        me = self.node_of[self.rank]
+        # ranks whose buffers I map (the others are reached through the proxy)
+        self._mapped = {r for r in range(self.world_size)
+                        if self.cross_node == "shm" or self.node_of[r] == me}
+        names = sorted({hosts[r][0] for r in self._mapped})
         if len(names) != 1:
-            raise RuntimeError(f"the shm backend needs all ranks on one host, got {names}")
+            raise RuntimeError(f"the shm backend needs the ranks it maps on one host, got {names}")
         self.prefix = f"{PREFIX}{hosts[0][1]}"
         self._buffers = SymmetricBuffers()
+        self._storages: dict[int, torch.UntypedStorage] = {}  # mine by buffer id (for the proxy)
         self._count = 0
         self._heap_bytes = 0
         self._control = self._map_all((1 + self.world_size,), torch.int64)
         self._control[self.rank][0] = os.getpid()
+        self._proxy = self._start_proxy(hosts)
         dist.barrier()  # every pid is written before anyone can wait on a peer
         self._queues = {q: _CopyQueue(f"sf-shm-r{self.rank}-{q}") for q in QUEUES}
-        self._finalizer = weakref.finalize(self, _shutdown, self._queues, self._control[self.rank])
+        self._finalizer = weakref.finalize(self, _shutdown, self._queues, self._control[self.rank],
+                                           self._proxy)
         log.debug("rank %d: shm communicator %s ready", self.rank, self.prefix)
+
+    def _start_proxy(self, hosts: list[tuple[str, str]]) -> Proxy | None:
+        """Collective: a proxy server per rank, connected to every peer I do not map."""
+        remote = [r for r in range(self.world_size) if r not in self._mapped]
+        if not remote:  # the same on every rank: one machine, or cross_node="shm"
+            return None
+        addr = os.environ.get(PROXY_ADDR_ENV)
+        if not addr:
+            if len({h for h, _ in hosts}) != 1:
+                raise RuntimeError(f"ranks run on several hosts: set {PROXY_ADDR_ENV} to an "
+                                   "address of this host that the other machines reach")
+            addr = "127.0.0.1"
+        proxy = Proxy(self.rank, self.world_size, remote, addr, self._storages.__getitem__,
+                      self.timeout_s)
+        addresses: list[tuple[str, int]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(addresses, proxy.address)
+        proxy.connect(addresses)
+        return proxy
 
     # -- symmetric heap -------------------------------------------------------------------
 
     def _map_all(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Collective: create my segment, map every rank's, unlink mine; return all (by rank)."""
+        """Collective: create my segment, map the segments of the ranks I map, unlink mine;
+        return the views by rank (None for ranks reached through the proxy)."""
         numel = 1
         for n in shape:
             numel *= n
         size = max(numel, 1)  # an empty mapping is not allowed
         nbytes = size * torch.empty((), dtype=dtype).element_size()
         name = f"{self.prefix}-r{{}}-b{self._count}"
-        self._count += 1
+        index, self._count = self._count, self._count + 1
         mine = os.path.join(SHM_DIR, name.format(self.rank))
         fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -178,16 +230,18 @@ class ShmCommunicator(OneSided):
                 raise ValueError(f"symmetric_empty called with different shapes/dtypes: {specs}")
             views = [torch.from_file(os.path.join(SHM_DIR, name.format(r)), shared=True,
                                      size=size, dtype=dtype)[:numel].view(shape)
-                     for r in range(self.world_size)]
-            dist.barrier()  # every rank mapped every segment
+                     if r in self._mapped else None for r in range(self.world_size)]
+            self._storages[index] = views[self.rank].untyped_storage()
+            dist.barrier()  # every rank mapped its segments and can serve its proxy
         finally:
             os.unlink(mine)
         return views
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer_id = self._count
         views = self._map_all(tuple(shape), dtype)
         mine = views[self.rank]
-        self._buffers.add(mine, [v.untyped_storage() for v in views])
+        self._buffers.add(mine, (buffer_id, [v if v is None else v.untyped_storage() for v in views]))
         self._heap_bytes += mine.numel() * mine.element_size()
         log.debug("rank %d: symmetric buffer %s %s, heap now %d bytes", self.rank, tuple(shape),
                   dtype, self._heap_bytes)
@@ -198,7 +252,7 @@ class ShmCommunicator(OneSided):
 
     def _peer_view(self, view: torch.Tensor, peer: int) -> torch.Tensor:
         """``peer``'s copy of ``view``: same storage offset, sizes and strides in its mapping."""
-        storage = self._buffers.lookup(view)[peer]
+        storage = self._buffers.lookup(view)[1][peer]
         return torch.empty(0, dtype=view.dtype).set_(storage, view.storage_offset(), view.size(),
                                                      view.stride())
 
@@ -211,9 +265,15 @@ class ShmCommunicator(OneSided):
             raise RuntimeError(f"rank {self.rank}: {what!r}: {op} on a closed communicator")
         sym, local = (dst, src) if op == "put" else (src, dst)
         self.check_transfer(sym, local, peer, queue)
-        remote = self._peer_view(sym, peer)
+        buffer_id, storages = self._buffers.lookup(sym)
         self.counter.count(peer, sym.numel() * sym.element_size())
-        job = self._queues[queue].submit(*((remote, src) if op == "put" else (dst, remote)))
+        if storages[peer] is None:  # another machine: through the proxy, like NVSHMEM over EFA
+            request = self._proxy.put if op == "put" else self._proxy.get
+            fn = functools.partial(request, queue, peer, view_meta(buffer_id, sym), local)
+        else:
+            remote = self._peer_view(sym, peer)
+            fn = functools.partial(remote.copy_, src) if op == "put" else functools.partial(dst.copy_, remote)
+        job = self._queues[queue].submit(fn)
         return _CopyHandle(self, job, peer, f"{op} with peer {peer} on queue {queue!r}", what)
 
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
@@ -229,11 +289,15 @@ class ShmCommunicator(OneSided):
     def _check_alive(self, peer: int, what: str, doing: str) -> None:
         if peer == self.rank:
             return
-        pid = int(self._control[peer][0])
-        if pid == 0:
+        if self._control[peer] is not None:
+            pid = int(self._control[peer][0])
+            state = "closed" if pid == 0 else "open" if _process_alive(pid) else "died"
+        else:  # another machine: what its proxy connection says
+            state, pid = self._proxy.peer_state(peer)
+        if state == "closed":
             raise PeerFailure(f"rank {self.rank}: {what!r}: peer rank {peer} closed its "
                               f"communicator while {doing}")
-        if not _process_alive(pid):
+        if state == "died":
             raise PeerFailure(f"rank {self.rank}: {what!r}: peer rank {peer} (pid {pid}) died "
                               f"while {doing}")
 
@@ -241,9 +305,11 @@ class ShmCommunicator(OneSided):
         for name, q in self._queues.items():
             if q.last is not None:
                 _CopyHandle(self, q.last, self.rank, f"quiet of queue {name!r}", what).wait()
-            if q.error is not None:
-                raise RuntimeError(f"rank {self.rank}: {what!r}: a transfer on queue {name!r} "
-                                   f"failed: {q.error}") from q.error
+            if q.error is not None:  # a broken proxy connection is a peer failure
+                kind = (type(q.error) if isinstance(q.error, (PeerFailure, CommTimeout)) else
+                        PeerFailure if isinstance(q.error, OSError) else RuntimeError)
+                raise kind(f"rank {self.rank}: {what!r}: a transfer on queue {name!r} "
+                           f"failed: {q.error}") from q.error
 
     def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
         if self.rank not in ranks:
@@ -255,10 +321,17 @@ class ShmCommunicator(OneSided):
             mine[1 + p] += 1
         need = {p: int(mine[1 + p]) for p in peers}
         doing = f"in barrier over ranks {tuple(ranks)}"
+        for p in peers:
+            if self._control[p] is None:
+                try:
+                    self._proxy.arrive(p, need[p])
+                except PeerFailure as exc:
+                    self._check_alive(p, what, doing)
+                    raise PeerFailure(f"rank {self.rank}: {what!r}: {exc} {doing}") from exc
         deadline = time.monotonic() + self.timeout_s
         spins, next_check = 0, 0.0
         while True:
-            missing = [p for p in peers if int(self._control[p][1 + self.rank]) < need[p]]
+            missing = [p for p in peers if self._arrived(p) < need[p]]
             if not missing:
                 return
             now = time.monotonic()
@@ -272,6 +345,12 @@ class ShmCommunicator(OneSided):
                                   f"arrive: {missing}")
             spins += 1
             time.sleep(0 if spins < 100 else min(2e-4, 5e-5 * 2 ** ((spins - 100) // 50)))
+
+    def _arrived(self, peer: int) -> int:
+        """How many barriers including me ``peer`` has entered."""
+        if self._control[peer] is None:
+            return self._proxy.arrived(peer)
+        return int(self._control[peer][1 + self.rank])
 
     def barrier_all(self, *, what: str) -> None:
         self.barrier(tuple(range(self.world_size)), what=what)

@@ -40,15 +40,20 @@ def _missing(name: str, device: torch.device) -> str | None:
         return "the triton package"
     if device.type == "cuda":
         return None
-    from .triton_attend import interpreting
-
     return None if interpreting() else f"a CUDA device or TRITON_INTERPRET=1 (got {device.type})"
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``). Read without
+    importing triton: triton.jit decides at decoration time whether to interpret."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def select_backend(device: torch.device, override: str | None = None) -> str:
     """Backend name for ``device``: ``override``, else env SWIFTFUSION_KERNEL, else "triton" on
     CUDA and "cpu" elsewhere. Raises ValueError / RuntimeError if the request is unknown or
     cannot run here."""
+    device = torch.device(device)
     name = override or os.environ.get(ENV_VAR) or ("triton" if device.type == "cuda" else "cpu")
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")

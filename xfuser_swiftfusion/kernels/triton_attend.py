@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import interpreting
 from .state import AttnState, finalize
 
 # Chunk tables (int64). A Q-chunk row holds five groups (address, stride_b, stride_h,
@@ -41,11 +42,6 @@ F_K, F_V, F_LK, NKF = tl.constexpr(0), tl.constexpr(4), tl.constexpr(8), tl.cons
 LOG2E = tl.constexpr(1.4426950408889634)
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

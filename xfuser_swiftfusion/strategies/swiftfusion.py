@@ -97,7 +97,8 @@ class OneSidedTorusIO:
         self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what)
 
     def barrier_ring(self, *, what):
-        self.comm.barrier(self.ring_ranks, what=f"{what} ring-group barrier")
+        if len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t']
+            self.comm.barrier(self.ring_ranks, what=f"{what} ring-group barrier")
 
     def push_o(self, kk):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u

@@ -1,0 +1,319 @@
+"""Layer-level benchmark of every strategy on the emulated cluster, beside the cost model.
+
+Per point (topology, B, L, H, D, dtype) and strategy, on every rank, strategies interleaved
+within each repetition, medians over ``--reps``:
+
+- ``latency``: one ``ctx.attention`` call, all ranks released by a barrier, time until the
+  slowest rank is done (all-reduce MAX);
+- ``compute``: the same local attention work without communication: the ``attend`` calls the
+  strategy made in its last call (recorded by wrapping ``kernels.attend`` where the strategies
+  look it up) replayed on local tensors of the same shapes, timed like ``latency``. xFuser's
+  USP does not call ``attend``: its work (R ring steps of (L/P_r x L/P_r) queries x keys over
+  H/P_u heads, each merged by LSE) is replayed through ``attend`` with those shapes;
+- ``exposed`` = latency - compute;
+- ``inter_bytes``: per rank per call, max over ranks, from ``ctx.stats()`` (usp: counted by
+  ``topology.counted_inter_node_elements``, xFuser's USP bypasses our communicators); with
+  ``--link`` also the kernel qdisc bytes sent by all machines per call (headers included);
+- ``peak_rss``: growth of the process's resident-set high-water mark (VmHWM, reset through
+  /proc/self/clear_refs) over its RSS before the strategy's first call, max over ranks: every
+  buffer the call allocates incl. persistent receive/symmetric buffers (glibc returns freed
+  large blocks to the OS: the script runs with MALLOC_MMAP_THRESHOLD_=65536). Shared memory
+  of peers that a rank reads counts in its RSS too (swiftfusion is over-counted, not under);
+- ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile.
+
+``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
+against ``counted_inter_node_elements`` on small shapes (CI).
+
+Command (see BENCHMARKS.md): /work/venv/bin/python scripts/bench_layer.py [--quick]
+  [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
+  [--reps 5] [--link-mbit 300] [--out benchmarks/results/layer]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed tensors must leave RSS (see docstring)
+    os.execve(sys.executable, [sys.executable, *sys.argv],
+              {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import xfuser_swiftfusion as sf  # noqa: E402
+from xfuser_swiftfusion import kernels  # noqa: E402
+from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict  # noqa: E402
+from xfuser_swiftfusion.kernels import new_state  # noqa: E402
+from xfuser_swiftfusion.launcher import run_emulated  # noqa: E402
+from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod  # noqa: E402
+from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements  # noqa: E402
+
+DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STRATS = ("usp", "tas", "torus", "swiftfusion", "auto")
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+class AttendRecorder:
+    """Wraps ``attend`` where the strategies look it up; keeps the calls of the last layer."""
+
+    MODULES = (ring_mod, tas_mod, torus_mod)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __enter__(self) -> "AttendRecorder":
+        def rec(q_chunks, kv_chunks, states, **kw):
+            self.calls.append(([tuple(q.shape) for q in q_chunks],
+                               [tuple(k.shape) for k, _ in kv_chunks], q_chunks[0].dtype,
+                               bool(kw.get("finalize"))))
+            return kernels.attend(q_chunks, kv_chunks, states, **kw)
+        for m in self.MODULES:
+            m.attend = rec
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.MODULES:
+            m.attend = kernels.attend
+
+
+def usp_calls(mesh, B: int, L: int, H: int, D: int, dtype) -> list[tuple]:
+    """xFuser's USP local work: R steps of [B, H/P_u, L/P_r, D] queries x keys, LSE-merged."""
+    lq = L // mesh.ring
+    shape = (B, H // mesh.ulysses, lq, D)
+    return [([shape], [shape], dtype, i == mesh.ring - 1) for i in range(mesh.ring)]
+
+
+def replay(calls: list[tuple]) -> callable:
+    """A function running ``calls`` on local random tensors (no communication)."""
+    g = torch.Generator().manual_seed(1)
+    prepared = []
+    for qs, ks, dtype, fin in calls:
+        q = [torch.randn(s, generator=g).to(dtype) for s in qs]
+        kv = [(torch.randn(s, generator=g).to(dtype),) * 2 for s in ks]
+        prepared.append((q, kv, fin))
+
+    def run() -> None:
+        for q, kv, fin in prepared:
+            kernels.attend(q, kv, [new_state(x) for x in q], scale=0.125, finalize=fin)
+    return run
+
+
+def timed_max(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def all_max(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reference(q, k, v) -> torch.Tensor:
+    """fp64 softmax attention [B, H, Lq, D] x [B, H, L, D] (written here, independent)."""
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool) -> list[dict]:
+    from xfuser_swiftfusion.netns import current_network, qdisc_bytes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = current_network()
+    rows = []
+    ctxs: dict[tuple, object] = {}
+    for pt in points:
+        B, L, H, D, dt = pt["B"], pt["L"], pt["H"], pt["D"], pt["dtype"]
+        g = torch.Generator().manual_seed(hash((B, L, H, D)) % 2**31)
+        S = L // world
+        mine = slice(rank * S, (rank + 1) * S)
+        if quick:
+            q, k, v = (torch.randn(B, H, L, D, generator=g).to(DT[dt]) for _ in range(3))
+            ref = reference(q[:, :, mine], k, v)
+            q, k, v = (x[:, :, mine].contiguous() for x in (q, k, v))
+        else:
+            q, k, v = (torch.randn(B, H, S, D, generator=g).to(DT[dt]) for _ in range(3))
+        res = {s: {"lat": [], "comp": []} for s in strategies}
+        # auto first: xFuser's USP state exists once per process, so when auto picks usp
+        # (at the default degrees) the usp row measures that same xFuser USP context
+        for s in sorted(strategies, key=lambda x: x != "auto"):
+            if (s, H) not in ctxs:
+                auto = ctxs.get(("auto", H))
+                shared = [c for (a, _), c in (auto._impl._contexts.items() if auto else ()) if a == "usp"]
+                ctxs[(s, H)] = shared[0] if s == "usp" and shared else sf.init_sequence_parallel(s, H, timeout_s=600)
+            ctx = ctxs[(s, H)]
+            ctx.reset_stats()
+            rss0 = _kb("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            qd0 = qdisc_bytes(net) if net and rank == 0 else None
+            with AttendRecorder() as recd:
+                out = ctx.attention(q, k, v)
+            dist.barrier()
+            qd1 = qdisc_bytes(net) if net and rank == 0 else None
+            r = res[s]
+            r["peak_rss"] = all_max(_kb("VmHWM") - rss0)
+            r["inter_bytes"] = all_max(ctx.stats()["inter_node_bytes"])
+            r["qdisc_bytes"] = sum(qd1.values()) - sum(qd0.values()) if qd0 is not None else None
+            r["ran_as"] = ctx.strategy
+            inner = getattr(ctx._impl, "choices", None)
+            if inner:
+                r["ran_as"] = "auto->{}U{}".format(*list(inner.values())[-1])
+            mesh = ctx.mesh
+            if s == "auto" and inner:
+                choice = list(inner.values())[-1]
+                mesh = choose_mesh(ctx.topology, H, "usp" if choice[0] == "usp" else "tas", choice[1])
+            r["calls"] = recd.calls or usp_calls(mesh, B, L, H, D, DT[dt])
+            if ctx.strategy == "usp" or (inner and list(inner.values())[-1][0] == "usp"):
+                r["inter_bytes"] = max(counted_inter_node_elements(mesh, B, L, H, D)) * BYTES[dt]
+            if quick:
+                r["err"] = all_max((out.double() - ref).abs().max().item())
+                ran = list(inner.values())[-1][0] if inner else ctx.strategy
+                if ran == "usp":  # xFuser's USP bypasses our byte counters
+                    r["bytes_ok"] = None
+                else:
+                    kind = "pull" if ran == "swiftfusion" else "pass"
+                    want = counted_inter_node_elements(mesh, B, L, H, D, kind)[rank] * BYTES[dt]
+                    r["bytes_ok"] = all_max(ctx.stats()["inter_node_bytes"] != want) == 0
+            del out
+        if not quick:
+            comp_fns = {s: replay(res[s]["calls"]) for s in strategies}
+            it = range(reps)
+            for _ in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
+                for s in strategies:
+                    res[s]["lat"].append(timed_max(lambda: ctxs[(s, H)].attention(q, k, v)))
+                    res[s]["comp"].append(timed_max(comp_fns[s]))
+        for s in strategies:
+            r = res[s]
+            row = {**pt, "strategy": s, "ran_as": r["ran_as"], "inter_bytes": r["inter_bytes"],
+                   "qdisc_bytes": r["qdisc_bytes"], "peak_rss": r["peak_rss"]}
+            if quick:
+                row |= {"err": r["err"], "bytes_ok": r["bytes_ok"]}
+            else:
+                row |= {"latency_s": statistics.median(r["lat"]),
+                        "compute_s": statistics.median(r["comp"]), "reps": reps}
+                row["exposed_s"] = row["latency_s"] - row["compute_s"]
+            rows.append(row)
+    for key, c in ctxs.items():
+        if key[0] == "auto" or not any(c is ch for a in ctxs.values() for ch in getattr(a._impl, "_contexts", {}).values()):
+            c.close()
+    return rows
+
+
+def _predict(rows: list[dict], topo: Topology, link_mbit: float | None) -> None:
+    prof = get_profile("cpu-emulated", topo, link_mbit)
+    for r in rows:
+        if "latency_s" not in r:
+            continue
+        w = Workload(r["B"], r["L"], r["H"], r["D"], r["dtype"])
+        name = r["strategy"]
+        if name == "auto":
+            name = r["ran_as"].split("->")[1].split("U")[0]
+        p = predict(name, topo, w, prof)
+        r["predicted_s"] = p.latency_s
+        r["predicted_compute_s"] = p.compute_s
+        r["error_pct"] = 100 * (p.latency_s - r["latency_s"]) / r["latency_s"]
+
+
+def markdown(rows: list[dict], quick: bool) -> str:
+    if quick:
+        head = "| topo | B | L | H | D | dtype | strategy | ran as | max abs err vs fp64 | bytes = counted |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        return head + "".join(
+            f"| {r['topo']} | {r['B']} | {r['L']} | {r['H']} | {r['D']} | {r['dtype']} | {r['strategy']} | "
+            f"{r['ran_as']} | {r['err']:.2e} | {r['bytes_ok']} |\n" for r in rows)
+    usp = {(r["topo"], r["B"], r["L"], r["H"], r["D"], r["link"]): r["latency_s"] for r in rows if r["strategy"] == "usp"}
+    head = ("| topo | link Mbit | B | L | H | D | strategy | ran as | latency ms | compute ms | exposed ms | "
+            "speedup vs usp | inter MB/rank | qdisc MB | peak RSS MB | predicted ms | error % |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    out = []
+    for r in rows:
+        base = usp.get((r["topo"], r["B"], r["L"], r["H"], r["D"], r["link"]))
+        qd = f"{r['qdisc_bytes'] / 1e6:.2f}" if r["qdisc_bytes"] is not None else "-"
+        out.append(f"| {r['topo']} | {r['link'] or 'loopback'} | {r['B']} | {r['L']} | {r['H']} | {r['D']} | "
+                   f"{r['strategy']} | {r['ran_as']} | {r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
+                   f"{r['exposed_s'] * 1e3:.1f} | {base / r['latency_s'] if base else float('nan'):.2f} | "
+                   f"{r['inter_bytes'] / 1e6:.2f} | {qd} | {r['peak_rss'] / 1e6:.1f} | "
+                   f"{r['predicted_s'] * 1e3:.1f} | {r['error_pct']:+.0f} |\n")
+    return head + "".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="equivalence + byte counts only (CI)")
+    ap.add_argument("--topologies", default=None)
+    ap.add_argument("--seq", default=None, help="global sequence lengths")
+    ap.add_argument("--head-dims", default=None)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--dtype", default=None, choices=sorted(DT))
+    ap.add_argument("--strategies", default=",".join(STRATS))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--link-mbit", type=float, default=None, help="tc tbf rate per machine link")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.reps < 5 and not a.quick:
+        ap.error("--reps must be >= 5 (medians)")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    topos = (a.topologies or ("2x2,4x1" if a.quick else "4x1,4x2")).split(",")
+    seqs = ints(a.seq or ("96" if a.quick else "8192"))
+    dims = ints(a.head_dims or ("32" if a.quick else "64"))
+    heads = a.heads or (12 if a.quick else 16)
+    dtype = a.dtype or ("fp32" if a.quick else "bf16")
+    strategies = a.strategies.split(",")
+    link = None
+    if a.link_mbit:
+        from xfuser_swiftfusion.netns import LinkSpec
+        link = LinkSpec(a.link_mbit)
+    rows: list[dict] = []
+    t0 = time.time()
+    for topo_s in topos:
+        topo = Topology.parse(topo_s)
+        points = [dict(topo=topo_s, link=a.link_mbit, B=b, L=L - L % topo.world_size, H=heads, D=d, dtype=dtype)
+                  for L in seqs for d in dims for b in ints(a.batches)]
+        res = run_emulated(_rank_main, topo, points, strategies, a.reps, a.quick,
+                           timeout_s=7200, link=link)[0]
+        _predict(res, topo, a.link_mbit)
+        rows += res
+    cmd = "/work/venv/bin/python " + " ".join(sys.argv)
+    md = markdown(rows, a.quick)
+    print(f"`{cmd}` ({time.time() - t0:.0f} s)\n\n{md}")
+    if a.quick:
+        bad = [r for r in rows if r["bytes_ok"] is False or r["err"] > (1e-5 if dtype == "fp32" else 3e-2)]
+        if bad:
+            print(f"FAILED: {len(bad)} rows", file=sys.stderr)
+            return 1
+        return 0
+    out = Path(a.out) if a.out else RESULTS / f"layer-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".json"), "w") as f:
+        json.dump({"command": cmd, "rows": rows}, f, indent=1)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    with open(out.with_suffix(".md"), "w") as f:
+        f.write(f"`{cmd}`\n\n{md}")
+    print(f"wrote {out}.json/.csv/.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Cost model: byte terms, monotonicity, ``plan --json`` fields, and ``auto`` end to end."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import xfuser_swiftfusion as sf
+from xfuser_swiftfusion import cli
+from xfuser_swiftfusion.cost_model import (GPU_PROFILES, Workload, candidates, inter_node_elements,
+                                           predict, recommend, ulysses_degrees)
+from xfuser_swiftfusion.launcher import run_emulated
+from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements
+
+STRATS = ("usp", "tas", "torus", "swiftfusion")
+P4DE = GPU_PROFILES["p4de"]
+
+
+@pytest.mark.parametrize("nodes,gpus,heads", [(2, 8, 24), (4, 8, 24), (3, 8, 24), (4, 2, 12),
+                                              (4, 1, 16), (3, 2, 12), (2, 4, 6)])
+def test_byte_terms_equal_counted(nodes, gpus, heads):
+    topo = Topology(nodes, gpus)
+    L = 48 * topo.world_size
+    w = Workload(2, L, heads, 64)
+    for s in STRATS:
+        for deg in ulysses_degrees(topo, heads):
+            p = predict(s, topo, w, P4DE, deg)
+            mesh = choose_mesh(topo, heads, p.placement, deg)
+            kind = "pull" if p.runs_as == "swiftfusion" else "pass"
+            counted = counted_inter_node_elements(mesh, 2, L, heads, 64, kind)
+            assert inter_node_elements(s, topo, w, deg) == pytest.approx(max(counted), abs=1e-6)
+            assert p.inter_node_bytes == max(counted) * 2
+
+
+def test_more_bandwidth_is_not_slower():
+    topo, w = Topology(4, 8), Workload(1, 66048 - 66048 % 32, 24, 128)
+    for s in STRATS:
+        base = predict(s, topo, w, P4DE).latency_s
+        for field in ("inter_bw", "one_sided_inter_bw", "intra_bw", "one_sided_intra_bw"):
+            fast = dataclasses.replace(P4DE, **{field: getattr(P4DE, field) * 4})
+            assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, field)
+
+
+def test_torus_overlap_beats_tas_when_compute_dominates():
+    topo = Topology(4, 8)
+    slow_compute = dataclasses.replace(P4DE, attn_flops={"bf16": 20e12, "fp32": 2e12})
+    w = Workload(1, 131072, 24, 128)
+    tas = predict("tas", topo, w, slow_compute)
+    torus = predict("torus", topo, w, slow_compute)
+    assert torus.latency_s <= tas.latency_s
+    assert torus.compute_s == pytest.approx(tas.compute_s, rel=0.05)  # same FLOPs, more calls
+
+
+def test_recommend_never_slower_than_usp():
+    for topo, H in [(Topology(2, 8), 24), (Topology(4, 8), 24), (Topology(4, 2), 12)]:
+        w = Workload(1, 4096 * topo.world_size, H, 64)
+        best = recommend(topo, w, P4DE)
+        assert best.latency_s <= predict("usp", topo, w, P4DE).latency_s
+        assert best.latency_s == min(c.latency_s for c in candidates(topo, w, P4DE))
+
+
+def test_plan_json_fields(capsys):
+    assert cli.main(["plan", "--nodes", "4", "--gpus-per-node", "8", "--heads", "24",
+                     "--seq-len", "66048", "--head-dim", "128", "--json", "--hardware", "p5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for s in STRATS:
+        for key in ("runs_as", "ulysses_degree", "ring_degree", "inter_node_bytes_per_gpu",
+                    "paper_inter_node_bytes_per_gpu", "predicted_latency_s"):
+            assert key in out[s], (s, key)
+        assert out[s]["predicted_latency_s"] > 0
+    rec = out["recommended"]
+    assert rec["strategy"] in STRATS and rec["hardware"] == "p5"
+    assert rec["predicted_latency_s"] <= out["usp"]["predicted_latency_s"]
+    assert cli.main(["plan", "--nodes", "2", "--gpus-per-node", "2", "--heads", "4", "--seq-len",
+                     "64", "--head-dim", "8", "--hardware", "nope"]) == 2
+
+
+def _auto_on_rank():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, H, L, D = 1, 8, 64, 16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    S = L // world
+    mine = slice(rank * S, (rank + 1) * S)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    ref = torch.softmax(qd[:, :, mine] @ kd.transpose(-1, -2) / math.sqrt(D), -1) @ vd
+    ctx = sf.init_sequence_parallel("auto", H, timeout_s=60)
+    try:
+        out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
+        choice = list(ctx._impl.choices.values())
+        return choice, (out.double() - ref).abs().max().item(), ctx.stats()["calls"]
+    finally:
+        ctx.close()
+
+
+def test_auto_identical_choice_and_exact():
+    res = run_emulated(_auto_on_rank, "2x2", timeout_s=120)
+    choices = {tuple(map(tuple, c)) for c, _, _ in res}
+    assert len(choices) == 1 and len(res[0][0]) == 1
+    assert max(e for _, e, _ in res) < 1e-5
