@@ -168,3 +168,21 @@ def test_stage_partial_outputs(strategy, topo):
         assert any(s.startswith("Pull-KV") for s in stages)
         assert errors and max(e for _, e in errors) <= 1e-5, errors
         assert final <= 1e-5
+
+
+def _inference_mode_rank():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8, 16 * world, 16, generator=g) for _ in range(3))
+    mine = slice(rank * 16, (rank + 1) * 16)
+    ctx = sf.init_sequence_parallel("swiftfusion", 8, timeout_s=60)
+    try:
+        with torch.inference_mode():  # diffusers pipelines run under inference mode
+            outs = [ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine]) for _ in range(2)]
+    finally:
+        ctx.close()
+    return max((o.double() - reference(q[:, :, mine], k, v)).abs().max().item() for o in outs)
+
+
+def test_swiftfusion_under_inference_mode():
+    assert max(run_emulated(_inference_mode_rank, "2x2", timeout_s=120)) <= 1e-5

@@ -21,7 +21,7 @@ from .strategies.layout import InputError, Joint, check_inputs
 from .strategies.swiftfusion import OneSidedTorusIO
 from .strategies.tas import TasAttention
 from .strategies.torus import TorusAttention, TwoSidedTorusIO
-from .topology import Mesh, Topology, choose_mesh, detect_topology
+from .topology import Mesh, Topology, TopologyError, choose_mesh, detect_topology
 
 logger = get_logger(__name__)
 
@@ -248,8 +248,17 @@ def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None 
     node_of = [topo.node_of(x) for x in range(world)]
     ctx = SequenceParallelContext(strategy, topo, mesh, rank, num_heads, timeout_s, _impl=None)
     if strategy == "usp":
-        from .xfuser_state import init_xfuser_parallel
-        init_xfuser_parallel(mesh.ulysses, mesh.ring, "usp")
+        from .xfuser_state import init_xfuser_parallel, xfuser_parallel_initialized, xfuser_sp_layout
+        if xfuser_parallel_initialized():  # e.g. inside an xFuser run routed by the plugin
+            ulysses, ring, _ = xfuser_sp_layout()
+            if (ulysses, ring) != (mesh.ulysses, mesh.ring):
+                raise TopologyError(
+                    f"usp: xFuser's parallel state already exists with ulysses {ulysses} x ring "
+                    f"{ring}, but ulysses {mesh.ulysses} x ring {mesh.ring} was requested; pass "
+                    f"ulysses_degree={ulysses} or destroy xFuser's state first")
+            ctx.owns_xfuser_state = False  # runs xFuser's USP on the groups it already has
+        else:
+            init_xfuser_parallel(mesh.ulysses, mesh.ring, "usp")
     elif strategy == "swiftfusion":
         one = make_one_sided(comm, rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s)
         ctx._comms.append(one)

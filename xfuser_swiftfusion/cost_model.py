@@ -365,11 +365,14 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile)
     return out
 
 
-def recommend(topology: Topology, workload: Workload, profile: HardwareProfile) -> Prediction:
+def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
+              usp_ulysses: int | None = None) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
-    ``STRATEGY_ORDER`` and the larger Ulysses degree. Never predicted slower than default usp."""
-    cands = candidates(topology, workload, profile)
-    usp = predict("usp", topology, workload, profile)
+    ``STRATEGY_ORDER`` and the larger Ulysses degree. Never predicted slower than default usp.
+    ``usp_ulysses``: the only Ulysses degree usp may use (xFuser's groups already exist)."""
+    cands = [p for p in candidates(topology, workload, profile)
+             if p.strategy != "usp" or usp_ulysses in (None, p.ulysses)]
+    usp = predict("usp", topology, workload, profile, usp_ulysses)
     best = min(cands, key=lambda p: (round(p.latency_s / usp.latency_s, 3),
                                      STRATEGY_ORDER.index(p.strategy), -p.ulysses))
     return best if best.latency_s <= usp.latency_s else usp

@@ -157,6 +157,12 @@ def _usp_module() -> ModuleType:
     return usp
 
 
+def original_usp():
+    """xFuser's own USP function, also while its calls are routed to a strategy."""
+    route = _route
+    return route.original if route is not None else _usp_module().USP
+
+
 def _rebind(old: object, new: object, name: str = "USP") -> None:
     """``module.<name> = new`` in every imported ``xfuser.*`` module whose ``<name>`` is ``old``."""
     for mod_name, mod in list(sys.modules.items()):

@@ -182,8 +182,8 @@ def xfuser_usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Joint tensors are replicated [B, H, T, D]; with joint_strategy "front"/"rear" the output
     is [B, H, T + S_local, D] with the text rows first/last, exactly as USP returns it.
     """
-    from xfuser.model_executor.layers import usp as usp_module
-    return usp_module.USP(q, k, v, joint_query=joint_query, joint_key=joint_key,
+    from .xfuser_plugin import original_usp  # not the module attribute: the plugin may route it
+    return original_usp()(q, k, v, joint_query=joint_query, joint_key=joint_key,
                           joint_value=joint_value, joint_strategy=joint_strategy)
 
 

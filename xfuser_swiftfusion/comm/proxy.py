@@ -146,7 +146,8 @@ class ProxyServer:
             view = _view_of(self._storage_of(meta["b"]), meta)
             if op == PUT:
                 if view.numel():
-                    view.copy_(payload.view(view.dtype).view(view.shape))
+                    with torch.inference_mode():  # buffers may be inference tensors
+                        view.copy_(payload.view(view.dtype).view(view.shape))
                 reply: tuple = (ACK,)
             else:
                 reply = (DATA, None, view.contiguous())

@@ -87,7 +87,8 @@ class _CopyQueue:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                job.fn()
+                with torch.inference_mode():  # may write into tensors made in inference mode
+                    job.fn()
             except BaseException as exc:  # reported by the waiter
                 job.error = exc
                 self.error = self.error or exc

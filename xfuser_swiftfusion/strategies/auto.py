@@ -34,14 +34,22 @@ def hardware_profile_name(device: torch.device) -> str:
     return "cpu-emulated" if device.type == "cpu" else os.environ.get(HARDWARE_ENV, "p4de")
 
 
-def choose(topology: Topology, num_heads: int, q: torch.Tensor):
+def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None):
     """The model's pick for local queries ``q`` [B, H, S_local, D] (pure: same on every rank);
-    text tokens are not modelled (they add the same replicated work to every strategy)."""
+    text tokens are not modelled (they add the same replicated work to every strategy).
+    ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use."""
     B, _, S, D = q.shape
     dtype = DTYPES.get(q.dtype, "fp32")
     w = Workload(B, S * topology.world_size, num_heads, D, dtype)
     profile = get_profile(hardware_profile_name(q.device), topology)
-    return recommend(topology, w, profile), candidates(topology, w, profile), profile.name
+    return (recommend(topology, w, profile, usp_ulysses), candidates(topology, w, profile),
+            profile.name)
+
+
+def _existing_usp_ulysses() -> int | None:
+    """Ulysses degree of xFuser's parallel state when it already exists (plugin sessions)."""
+    from ..xfuser_state import xfuser_parallel_initialized, xfuser_sp_layout
+    return xfuser_sp_layout()[0] if xfuser_parallel_initialized() else None
 
 
 class AutoAttention:
@@ -64,7 +72,7 @@ class AutoAttention:
         sig = (tuple(q.shape), q.dtype, q.device.type, Tj)
         ctx = self._by_signature.get(sig)
         if ctx is None:
-            best, cands, profile = choose(self.topology, self.num_heads, q)
+            best, cands, profile = choose(self.topology, self.num_heads, q, _existing_usp_ulysses())
             key = (best.strategy, best.ulysses)
             if key not in self._contexts:
                 ctx = self._make(*key)
