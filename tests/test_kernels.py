@@ -288,7 +288,7 @@ def test_select_backend(monkeypatch):
 def test_backend_choice_logged_once(caplog):
     set_backend(None)
     q = torch.randn(1, 1, 2, 32)
-    with caplog.at_level(logging.INFO, logger="xfuser_swiftfusion.kernels"):
+    with caplog.at_level(logging.INFO, logger="xfuser.swiftfusion.kernels"):
         for _ in range(3):
             attend([q], [(q, q)], [new_state(q)], scale=1.0)
     assert kernels.current_backend(q.device) == "cpu"

@@ -33,6 +33,7 @@ from typing import Iterator
 
 from .comm.proxy import PROXY_ADDR_ENV
 from .log import get_logger
+from .procs import process_alive
 
 logger = get_logger(__name__)
 
@@ -137,22 +138,12 @@ def list_netns(prefix: str = NAME_PREFIX) -> list[str]:
         return []
 
 
-def _creator_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Remove namespaces left by creators that no longer run (e.g. a SIGKILLed parent)."""
     removed = []
     for name in list_netns():
         m = re.match(rf"{NAME_PREFIX}(\d+)-", name)
-        if m and not _creator_alive(int(m.group(1))):
+        if m and not process_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
     if removed:

@@ -23,7 +23,6 @@ nvshmem4py is imported lazily: this module imports without it and without a GPU.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -34,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from .base import QUEUES, CommTimeout, Handle, OneSided, SymmetricBuffers
+from ..log import get_logger
 
-log = logging.getLogger("xfuser_swiftfusion.comm")
+log = get_logger("xfuser_swiftfusion.comm")
 
 UID_BYTES = 128
 

@@ -22,7 +22,6 @@ a killed process's sockets), after ``BYE`` that it closed its communicator.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import struct
@@ -32,8 +31,9 @@ from typing import Callable
 import torch
 
 from .base import CommTimeout, PeerFailure
+from ..log import get_logger
 
-log = logging.getLogger("xfuser_swiftfusion.comm")
+log = get_logger("xfuser_swiftfusion.comm")
 
 _HEADER = struct.Struct("!BIQ")
 HELLO, PUT, GET, ACK, DATA, ERROR, ARRIVE, BYE = range(8)

@@ -30,7 +30,6 @@ final barrier, as NVSHMEM's collective finalize would require anyway.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import queue as queue_mod
 import secrets
@@ -45,10 +44,12 @@ import torch
 import torch.distributed as dist
 
 from ..netns import NETNS_ENV
+from ..procs import process_alive
 from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
 from .proxy import PROXY_ADDR_ENV, Proxy, view_meta
+from ..log import get_logger
 
-log = logging.getLogger("xfuser_swiftfusion.comm")
+log = get_logger("xfuser_swiftfusion.comm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sf-"
@@ -98,22 +99,6 @@ class _CopyQueue:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=5.0)
-
-
-def _process_alive(pid: int) -> bool:
-    """False if ``pid`` is gone or a zombie (a dead forked rank nobody reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 def _shutdown(queues: dict[str, _CopyQueue], control: torch.Tensor, proxy: Proxy | None) -> None:
@@ -292,7 +277,7 @@ class ShmCommunicator(OneSided):
             return
         if self._control[peer] is not None:
             pid = int(self._control[peer][0])
-            state = "closed" if pid == 0 else "open" if _process_alive(pid) else "died"
+            state = "closed" if pid == 0 else "open" if process_alive(pid) else "died"
         else:  # another machine: what its proxy connection says
             state, pid = self._proxy.peer_state(peer)
         if state == "closed":

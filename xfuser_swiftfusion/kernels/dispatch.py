@@ -9,15 +9,15 @@ once.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from collections.abc import Sequence
 
 import torch
 
+from ..log import get_logger
 from .state import AttnState, finalize as finalize_state
 
-logger = logging.getLogger("xfuser_swiftfusion.kernels")
+logger = get_logger("xfuser_swiftfusion.kernels")
 
 BACKENDS = ("triton", "flash", "cpu")
 ENV_VAR = "SWIFTFUSION_KERNEL"
