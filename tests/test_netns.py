@@ -164,10 +164,12 @@ def test_throttled_2x2_correct_counted_by_kernel_timed_and_cleaned_up():
     link, inter, intra = res[0]["intra_window"]
     assert inter == 0 and intra == 4 * 2 * 2 * 1024 * KIB
     assert sum(link["out"].values()) < 64 * KIB, link  # barriers only, no payload
-    # (c) one transfer alone on the link takes bytes / rate (+ latency, handshakes)
+    # (c) one transfer alone on the link takes at least bytes / rate: the limit is enforced.
+    # The upper bound only catches a grossly wrong rate: on 2 shared cores the forked ranks'
+    # scheduling adds wall time (measured 1.0-1.1x idle, up to 3.4x with a benchmark running).
     for kind, (seconds, nbytes) in res[0]["timings"].items():
         ideal = nbytes / LinkSpec(RATE_MBIT).bytes_per_s
-        assert 0.9 * ideal <= seconds <= 1.6 * ideal, (kind, seconds, ideal)
+        assert 0.9 * ideal <= seconds <= 5 * ideal, (kind, seconds, ideal)
     # (d) nothing left: namespaces (with their links and qdiscs), root links, shared memory
     assert list_netns(res[0]["prefix"]) == []
     assert subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout == root_links

@@ -322,8 +322,9 @@ def reference_image():
 def _run_runner(cmd, hf_cache, out: Path) -> np.ndarray:
     from PIL import Image
     out.mkdir()
+    # LOG_LEVEL=info: the strategy's stats line checked below is logged at INFO
     env = dict(os.environ, HF_HUB_CACHE=str(hf_cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               SWIFTFUSION_TIMEOUT_S="120")
+               SWIFTFUSION_TIMEOUT_S="120", LOG_LEVEL="info")
     res = subprocess.run(cmd + ["--output_directory", str(out)], capture_output=True, text=True,
                          env=env, timeout=400)
     log = res.stdout + res.stderr
