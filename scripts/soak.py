@@ -75,8 +75,8 @@ def soak_rank(strategy: str, calls: int, warmup: int, shape: tuple[int, int, int
             times.append(time.perf_counter() - t0)
             differing += not torch.equal(out, first)
         rss1, heap1 = rss_bytes(), ctx.stats()["symmetric_heap_bytes"]
-        ran_as = ctx.strategy
-    return {"strategy": strategy, "ran_as": ran_as, "rank": rank, "calls": calls,
+        ran_as, mesh = ctx.strategy, ctx.mesh.describe()
+    return {"strategy": strategy, "ran_as": ran_as, "mesh": mesh, "rank": rank, "calls": calls,
             "rss_start": rss0, "rss_end": rss1, "heap_start": heap0, "heap_end": heap1,
             "differing_outputs": differing, "median_call_s": statistics.median(times),
             "max_abs_err": (first.double() - ref).abs().max().item()}
@@ -101,7 +101,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_soak(strategies: list[str], calls: int, topology: str = "2x2", warmup: int = 20,
-             shape: tuple[int, int, int, int] = (1, 4, 64, 16), joint_tokens: int = 3,
+             shape: tuple[int, int, int, int] = (1, 2, 64, 16), joint_tokens: int = 3,
              progress: bool = False) -> list[dict]:
     """One emulated launch per strategy; returns one summary per strategy."""
     from xfuser_swiftfusion.launcher import run_emulated
@@ -111,7 +111,8 @@ def run_soak(strategies: list[str], calls: int, topology: str = "2x2", warmup: i
         t0 = time.monotonic()
         rows = run_emulated(soak_rank, topology, s, calls, warmup, shape, joint_tokens, progress,
                             timeout_s=600 + 0.5 * calls)
-        summaries.append(summarize(rows) | {"topology": topology, "wall_s": time.monotonic() - t0})
+        summaries.append(summarize(rows) | {"topology": topology, "shape": shape,
+                                            "mesh": rows[0]["mesh"], "wall_s": time.monotonic() - t0})
     return summaries
 
 
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--topology", default="2x2", metavar="NxM")
-    p.add_argument("--shape", default="1,4,64,16", help="global B,H,L,D")
+    p.add_argument("--shape", default="1,2,64,16",
+                   help="global B,H,L,D (H=2 on 2x2: Ulysses 2 x Ring 2, every stage runs)")
     p.add_argument("--joint-tokens", type=int, default=3)
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
