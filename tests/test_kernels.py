@@ -295,3 +295,16 @@ def test_backend_choice_logged_once(caplog):
     assert sum("backend" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(ValueError):
         set_backend("nope")
+
+
+def test_auto_backend_prefers_default_and_falls_back(monkeypatch):
+    from xfuser_swiftfusion.kernels import dispatch
+    monkeypatch.delenv("SWIFTFUSION_KERNEL", raising=False)
+    assert dispatch.select_backend(torch.device("cpu"), "auto") == "cpu"
+    # a CUDA device without triton: flash-attn is the next choice; with neither, a clear error
+    monkeypatch.setattr(dispatch, "_missing",
+                        lambda n, d: {"triton": "the triton package", "flash": None}.get(n, "x"))
+    assert dispatch.select_backend(torch.device("cuda"), "auto") == "flash"
+    monkeypatch.setattr(dispatch, "_missing", lambda n, d: f"{n}-deps")
+    with pytest.raises(RuntimeError, match="triton needs triton-deps; flash needs flash-deps"):
+        dispatch.select_backend(torch.device("cuda"), "auto")

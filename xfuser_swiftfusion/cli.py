@@ -87,7 +87,7 @@ def _cmd_check(args) -> int:
         print(f"error: unknown strategy {', '.join(bad)}; choose from {', '.join(STRATEGIES)}",
               file=sys.stderr)
         return 2
-    if args.kernel and args.kernel != "auto":  # auto: the device default
+    if args.kernel:
         from .kernels.dispatch import select_backend
         device = torch.device("cuda" if torch.cuda.is_available() and not args.emulate else "cpu")
         try:  # refuse here, before any rank starts

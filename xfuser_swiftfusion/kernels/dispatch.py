@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..log import get_logger
+from ..log import get_logger, log_once
 from .state import AttnState, finalize as finalize_state
 
 logger = get_logger("xfuser_swiftfusion.kernels")
@@ -50,13 +50,23 @@ def interpreting() -> bool:
 
 
 def select_backend(device: torch.device, override: str | None = None) -> str:
-    """Backend name for ``device``: ``override``, else env SWIFTFUSION_KERNEL, else "triton" on
-    CUDA and "cpu" elsewhere. Raises ValueError / RuntimeError if the request is unknown or
-    cannot run here."""
+    """Backend name for ``device``: ``override``, else env SWIFTFUSION_KERNEL, else "auto":
+    "triton" on CUDA (then "flash" if triton cannot run, logged once) and "cpu" elsewhere.
+    Raises ValueError / RuntimeError if the request is unknown or cannot run here."""
     device = torch.device(device)
-    name = override or os.environ.get(ENV_VAR) or ("triton" if device.type == "cuda" else "cpu")
+    name = override or os.environ.get(ENV_VAR) or "auto"
+    if name == "auto":
+        order = ("triton", "flash") if device.type == "cuda" else ("cpu",)
+        usable = [n for n in order if _missing(n, device) is None]
+        if not usable:
+            raise RuntimeError(f"no attention kernel can run on {device.type}: "
+                               + "; ".join(f"{n} needs {_missing(n, device)}" for n in order))
+        if usable[0] != order[0]:
+            log_once(logger, f"kernel-auto-{device.type}",
+                     f"kernel auto: {order[0]} needs {_missing(order[0], device)}; using {usable[0]}")
+        return usable[0]
     if name not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of ('auto', *{BACKENDS})")
     missing = _missing(name, device)
     if missing is not None:
         raise RuntimeError(f"kernel backend {name!r} needs {missing}")
@@ -66,7 +76,7 @@ def select_backend(device: torch.device, override: str | None = None) -> str:
 def set_backend(name: str | None) -> None:
     """Force backend ``name`` for all later ``attend`` calls (None: back to automatic)."""
     global _override
-    if name is not None and name not in BACKENDS:
+    if name is not None and name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
     _override = name
     _chosen.clear()
