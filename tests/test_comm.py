@@ -389,7 +389,7 @@ def test_nvshmem_without_cuda_says_so():
 
 
 def test_process_alive_sees_exited_and_zombie_processes():
-    from xfuser_swiftfusion.comm.shm import _process_alive
+    from xfuser_swiftfusion.procs import process_alive as _process_alive
 
     assert _process_alive(os.getpid())
     pid = os.fork()
