@@ -11,6 +11,8 @@ within each repetition, medians over ``--reps``:
   USP does not call ``attend``: its work (R ring steps of (L/P_r x L/P_r) queries x keys over
   H/P_u heads, each merged by LSE) is replayed through ``attend`` with those shapes;
 - ``exposed`` = latency - compute;
+- ``latency_cpu``/``compute_cpu``: process CPU seconds (all threads) summed over ranks, median;
+  their difference is the CPU work communication adds (on a shared host it costs wall time);
 - ``inter_bytes``: per rank per call, max over ranks, from ``ctx.stats()`` (usp: counted by
   ``topology.counted_inter_node_elements``, xFuser's USP bypasses our communicators); with
   ``--link`` also the kernel qdisc bytes sent by all machines per call (headers included);
@@ -115,10 +117,18 @@ def timed_max(fn) -> float:
     return dt.item()
 
 
-def all_max(x: float) -> float:
+def all_max(x: float, op=dist.ReduceOp.MAX) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return t.item()
+
+
+def timed_cpu(fn) -> tuple[float, float]:
+    """(``timed_max`` seconds, process CPU seconds of every thread summed over all ranks):
+    the CPU work of communication threads (copy, proxy, gloo) shows in the second."""
+    c0 = time.process_time()
+    wall = timed_max(fn)
+    return wall, all_max(time.process_time() - c0, dist.ReduceOp.SUM)
 
 
 def _kb(field: str) -> int:
@@ -151,7 +161,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             q, k, v = (x[:, :, mine].contiguous() for x in (q, k, v))
         else:
             q, k, v = (torch.randn(B, H, S, D, generator=g).to(DT[dt]) for _ in range(3))
-        res = {s: {"lat": [], "comp": []} for s in strategies}
+        res = {s: {"lat": [], "comp": [], "lat_cpu": [], "comp_cpu": []} for s in strategies}
         # auto first: xFuser's USP state exists once per process, so when auto picks usp
         # (at the default degrees) the usp row measures that same xFuser USP context
         for s in sorted(strategies, key=lambda x: x != "auto"):
@@ -165,6 +175,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             qd0 = qdisc_bytes(net) if net and rank == 0 else None
+            dist.barrier()  # no rank sends before rank 0 has read the counters
             with AttendRecorder() as recd:
                 out = ctx.attention(q, k, v)
             dist.barrier()
@@ -182,11 +193,13 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
                 choice = list(inner.values())[-1]
                 mesh = choose_mesh(ctx.topology, H, "usp" if choice[0] == "usp" else "tas", choice[1])
             r["calls"] = recd.calls or usp_calls(mesh, B, L, H, D, DT[dt])
-            if ctx.strategy == "usp" or (inner and list(inner.values())[-1][0] == "usp"):
-                r["inter_bytes"] = max(counted_inter_node_elements(mesh, B, L, H, D)) * BYTES[dt]
+            ran = list(inner.values())[-1][0] if inner else ctx.strategy
+            counted = counted_inter_node_elements(mesh, B, L, H, D, "pull" if ran == "swiftfusion" else "pass")
+            r["formula_total_bytes"] = sum(counted) * BYTES[dt]  # all ranks: compare with qdisc
+            if ran == "usp":
+                r["inter_bytes"] = max(counted) * BYTES[dt]
             if quick:
                 r["err"] = all_max((out.double() - ref).abs().max().item())
-                ran = list(inner.values())[-1][0] if inner else ctx.strategy
                 if ran == "usp":  # xFuser's USP bypasses our byte counters
                     r["bytes_ok"] = None
                 else:
@@ -199,17 +212,23 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             it = range(reps)
             for _ in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
                 for s in strategies:
-                    res[s]["lat"].append(timed_max(lambda: ctxs[(s, H)].attention(q, k, v)))
-                    res[s]["comp"].append(timed_max(comp_fns[s]))
+                    for kind, fn in (("lat", lambda: ctxs[(s, H)].attention(q, k, v)), ("comp", comp_fns[s])):
+                        wall, cpu = timed_cpu(fn)
+                        res[s][kind].append(wall)
+                        res[s][kind + "_cpu"].append(cpu)
         for s in strategies:
             r = res[s]
             row = {**pt, "strategy": s, "ran_as": r["ran_as"], "inter_bytes": r["inter_bytes"],
-                   "qdisc_bytes": r["qdisc_bytes"], "peak_rss": r["peak_rss"]}
+                   "qdisc_bytes": r["qdisc_bytes"], "formula_total_bytes": r["formula_total_bytes"],
+                   "peak_rss": r["peak_rss"]}
             if quick:
                 row |= {"err": r["err"], "bytes_ok": r["bytes_ok"]}
             else:
                 row |= {"latency_s": statistics.median(r["lat"]),
-                        "compute_s": statistics.median(r["comp"]), "reps": reps}
+                        "compute_s": statistics.median(r["comp"]), "reps": reps,
+                        "latency_reps_s": r["lat"], "compute_reps_s": r["comp"],
+                        "latency_cpu_s": statistics.median(r["lat_cpu"]),
+                        "compute_cpu_s": statistics.median(r["comp_cpu"])}
                 row["exposed_s"] = row["latency_s"] - row["compute_s"]
             rows.append(row)
     for key, c in ctxs.items():
@@ -241,12 +260,13 @@ def markdown(rows: list[dict], quick: bool) -> str:
             f"{r['ran_as']} | {r['err']:.2e} | {r['bytes_ok']} |\n" for r in rows)
     usp = {(r["topo"], r["B"], r["L"], r["H"], r["D"], r["link"]): r["latency_s"] for r in rows if r["strategy"] == "usp"}
     head = ("| topo | link Mbit | B | L | H | D | strategy | ran as | latency ms | compute ms | exposed ms | "
-            "speedup vs usp | inter MB/rank | qdisc MB | peak RSS MB | predicted ms | error % |\n"
+            "speedup vs usp | inter MB/rank | qdisc / formula MB (all machines) | peak RSS MB | predicted ms | error % |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     out = []
     for r in rows:
         base = usp.get((r["topo"], r["B"], r["L"], r["H"], r["D"], r["link"]))
-        qd = f"{r['qdisc_bytes'] / 1e6:.2f}" if r["qdisc_bytes"] is not None else "-"
+        qd = (f"{r['qdisc_bytes'] / 1e6:.2f} / {r['formula_total_bytes'] / 1e6:.2f}"
+              if r["qdisc_bytes"] is not None else "-")
         out.append(f"| {r['topo']} | {r['link'] or 'loopback'} | {r['B']} | {r['L']} | {r['H']} | {r['D']} | "
                    f"{r['strategy']} | {r['ran_as']} | {r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
                    f"{r['exposed_s'] * 1e3:.1f} | {base / r['latency_s'] if base else float('nan'):.2f} | "
@@ -288,8 +308,11 @@ def main() -> int:
         topo = Topology.parse(topo_s)
         points = [dict(topo=topo_s, link=a.link_mbit, B=b, L=L - L % topo.world_size, H=heads, D=d, dtype=dtype)
                   for L in seqs for d in dims for b in ints(a.batches)]
+        load0 = os.getloadavg()
         res = run_emulated(_rank_main, topo, points, strategies, a.reps, a.quick,
                            timeout_s=7200, link=link)[0]
+        for r in res:  # other processes on the host: 1-min load average before / after
+            r["loadavg_1m"] = [round(load0[0], 1), round(os.getloadavg()[0], 1)]
         _predict(res, topo, a.link_mbit)
         rows += res
     cmd = "/work/venv/bin/python " + " ".join(sys.argv)

@@ -1,6 +1,6 @@
 """Plot layer-benchmark results (``scripts/bench_layer.py`` JSON) as latency normalised to usp,
-one bar group per point, like the paper's layerwise figures; measured bars with the cost
-model's prediction as markers.
+one bar group per point, like the paper's layerwise figures; measured bars (median, whiskers:
+interquartile range of the repetitions) with the cost model's prediction as markers.
 
 Command: /work/venv/bin/python scripts/plot_benchmarks.py benchmarks/results/layer-*.json
   [--out benchmarks/results/layer.png]
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +41,11 @@ def main() -> int:
             base = usp[pt]["latency_s"]
             x = j + (i - (len(strategies) - 1) / 2) * width
             ax.bar(x, r["latency_s"] / base, width, color=f"C{i}", label=s if j == 0 else None)
+            if len(r.get("latency_reps_s", ())) >= 4:  # interquartile range of the repetitions
+                q1, _, q3 = statistics.quantiles(r["latency_reps_s"], n=4)
+                ax.errorbar(x, r["latency_s"] / base, yerr=[[(r["latency_s"] - q1) / base],
+                                                            [(q3 - r["latency_s"]) / base]],
+                            fmt="none", ecolor="k", lw=0.8, capsize=2)
             ax.bar(x, r["compute_s"] / base, width * 0.4, color="k", alpha=0.35,
                    label="compute only" if (i, j) == (0, 0) else None)
             ax.plot(x, r["predicted_s"] / usp[pt]["predicted_s"], "kx",

@@ -127,11 +127,17 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
 
 
 def get_profile(name: str, topology: Topology | None = None, link_mbit: float | None = None) -> HardwareProfile:
-    """A shipped profile by name (``p4de``, ``p5``, ``h100-ndr``, ``cpu-emulated``)."""
+    """A shipped profile by name (``p4de``, ``p5``, ``h100-ndr``, ``cpu-emulated``).
+    ``cpu-emulated`` without ``link_mbit`` inside ``run_emulated(..., link=)`` uses the rate of
+    the rank's own throttled link (``netns.current_network``)."""
     if name in GPU_PROFILES:
         return GPU_PROFILES[name]
     if name == "cpu-emulated":
         topo = topology or Topology(1, 4)
+        if link_mbit is None:
+            from .netns import current_network
+            net = current_network()
+            link_mbit = net.link.rate_mbit if net is not None else None
         return cpu_profile(topo.world_size, topo.gpus_per_node, link_mbit)
     raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(PROFILES)}")
 
