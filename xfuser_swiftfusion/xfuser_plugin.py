@@ -61,7 +61,6 @@ from .topology import Mesh, Topology, TopologyError, choose_mesh, detect_topolog
 
 logger = get_logger(__name__)
 
-SP_STRATEGIES = ("usp", "tas", "torus", "swiftfusion", "auto")
 _DEGREE_FLAGS = ("data_parallel_degree", "pipefusion_parallel_degree", "tensor_parallel_degree")
 
 
@@ -74,14 +73,10 @@ class PluginError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 def check_strategy(strategy: str) -> None:
-    """Raise ``PluginError`` unless ``strategy`` can run in this installation."""
-    if strategy not in SP_STRATEGIES:
-        raise PluginError(f"unknown --sp-strategy {strategy!r}; choose one of "
-                          f"{', '.join(SP_STRATEGIES)}")
+    """Raise ``PluginError`` unless ``strategy`` is one of ``strategies.STRATEGIES``."""
     if strategy not in STRATEGIES:
-        raise PluginError(f"--sp-strategy {strategy} is not available in this installation "
-                          f"(xfuser_swiftfusion.strategies has {', '.join(STRATEGIES)}); "
-                          "choose one of those")
+        raise PluginError(f"unknown --sp-strategy {strategy!r}; choose one of "
+                          f"{', '.join(STRATEGIES)}")
 
 
 def plan_mesh(strategy: str, num_heads: int | None, topology: Topology,
@@ -396,7 +391,7 @@ def _patch_flux_wrapper(module: ModuleType) -> None:
 
 def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("SwiftFusion (xfuser-swiftfusion)")
-    group.add_argument("--sp_strategy", choices=SP_STRATEGIES, default=None,
+    group.add_argument("--sp_strategy", choices=STRATEGIES, default=None,
                        help="sequence-parallel attention strategy: usp (xFuser's own), tas, "
                             "torus, swiftfusion, auto. Without --ulysses_degree/--ring_degree "
                             "the mesh follows the TAS rule P_u = gcd(N*M, heads).")
@@ -592,5 +587,4 @@ def install() -> None:
 
 __all__ = ["use_strategy", "restore_usp", "routed_context", "routed_usp", "install",
            "route_sp_strategy",
-           "plan_mesh", "read_num_heads", "check_strategy", "xdit_nproc", "PluginError",
-           "SP_STRATEGIES"]
+           "plan_mesh", "read_num_heads", "check_strategy", "xdit_nproc", "PluginError"]
