@@ -303,28 +303,18 @@ def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
         usp = _usp_module()
         from . import xfuser_state as xs
         owns = _ensure_xfuser_state(strategy, mesh)
-        try:
-            if strategy == "usp":
-                ctx = SequenceParallelContext("usp", topo, mesh, dist.get_rank(), num_heads,
-                                              _timeout(timeout_s), _impl=None,
-                                              owns_xfuser_state=owns)
-            else:
-                ctx = init_sequence_parallel(strategy, num_heads, topo, ulysses_degree=mesh.ulysses,
-                                             ring_degree=mesh.ring, timeout_s=timeout_s)
+        try:  # xFuser's groups exist now: a usp context runs on them (and leaves them alone)
+            ctx = init_sequence_parallel(strategy, num_heads, topo, ulysses_degree=mesh.ulysses,
+                                         ring_degree=mesh.ring, timeout_s=timeout_s)
         except BaseException:
             if owns:
                 xs.destroy_xfuser_parallel()
             raise
-        _route = _Route(ctx, usp.USP, owns and strategy != "usp")
+        _route = _Route(ctx, usp.USP, owns)
         _rebind(usp.USP, routed_usp)
     logger.info(f"rank {ctx.rank}: xFuser USP routed to {ctx.strategy} ({mesh.describe()}, "
                 f"topology {topo})")
     return ctx
-
-
-def _timeout(timeout_s: float | None) -> float:
-    from .context import default_timeout_s
-    return float(timeout_s) if timeout_s is not None else default_timeout_s()
 
 
 def restore_usp() -> None:
