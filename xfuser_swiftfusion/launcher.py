@@ -120,17 +120,11 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
         results: list[Any] = [None] * world
         done = [False] * world
         failures: list[RankFailure] = []
-        deadline = time.monotonic() + timeout_s
-        while not all(done):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                for r in range(world):
-                    if not done[r]:
-                        failures.append(RankFailure(r, f"did not finish within {timeout_s:.0f} s"))
-                break
-            ready = mp.connection.wait([c for r, c in enumerate(conns) if not done[r]],
-                                       timeout=min(remaining, 0.5))
-            for c in ready:
+
+        def collect(wait_s: float) -> None:
+            """Record the result or failure of every rank that reported within ``wait_s``."""
+            for c in mp.connection.wait([c for r, c in enumerate(conns) if not done[r]],
+                                        timeout=wait_s):
                 r = conns.index(c)
                 try:
                     kind, payload = pickle.loads(c.recv_bytes())
@@ -142,23 +136,21 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                     results[r] = payload
                 else:
                     failures.append(RankFailure(r, payload))
-            if failures:
-                # One failed rank: give the others a moment to report their own view
-                # (their timeouts name the stage they stalled in), then stop them.
-                grace = time.monotonic() + min(5.0, max(0.0, deadline - time.monotonic()))
-                while not all(done) and time.monotonic() < grace:
-                    for c in mp.connection.wait([c for r, c in enumerate(conns) if not done[r]],
-                                                timeout=0.2):
-                        r = conns.index(c)
-                        try:
-                            kind, payload = pickle.loads(c.recv_bytes())
-                        except EOFError:
-                            procs[r].join(timeout=1.0)
-                            kind, payload = "error", f"died (exit code {procs[r].exitcode})"
-                        done[r] = True
-                        if kind != "ok":
-                            failures.append(RankFailure(r, payload))
+
+        deadline = time.monotonic() + timeout_s
+        while not all(done) and not failures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failures += [RankFailure(r, f"did not finish within {timeout_s:.0f} s")
+                             for r in range(world) if not done[r]]
                 break
+            collect(min(remaining, 0.5))
+        if failures:
+            # One failed rank: give the others a moment to report their own view
+            # (their timeouts name the stage they stalled in), then stop them.
+            grace = time.monotonic() + min(5.0, max(0.0, deadline - time.monotonic()))
+            while not all(done) and time.monotonic() < grace:
+                collect(0.2)
         if failures:
             failures.sort(key=lambda f: f.rank)
             lines = [f"emulated {topo} run failed on {len(failures)} of {world} ranks:"]
