@@ -173,7 +173,8 @@ class TwoSided(Communicator):
     @abc.abstractmethod
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                  *, what: str) -> Handle:
-        """Post all ``(tensor, peer)`` sends and receives at once; one handle for the batch."""
+        """Post all ``(tensor, peer)`` sends and receives at once; one handle for the batch.
+        Pairs with my own rank are local copies (matched in list order)."""
 
     @abc.abstractmethod
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *, what: str) -> None:

@@ -80,12 +80,21 @@ class P2PCommunicator(TwoSided):
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                  *, what: str) -> Handle:
         """Post every receive, then every send; one handle for the batch. Sends and receives
-        with the same peer match in list order. Sources must stay unchanged until waited."""
+        with the same peer match in list order; those with myself are copied here, now.
+        Sources must stay unchanged until waited."""
+        own_sends = [t for t, p in sends if p == self.rank]
+        own_recvs = [t for t, p in recvs if p == self.rank]
+        if len(own_sends) != len(own_recvs):
+            raise ValueError(f"rank {self.rank}: {what!r}: {len(own_sends)} sends to myself but "
+                             f"{len(own_recvs)} receives from myself")
+        for dst, src in zip(own_recvs, own_sends):
+            dst.copy_(src)
+        sends = [(t, p) for t, p in sends if p != self.rank]
+        recvs = [(t, p) for t, p in recvs if p != self.rank]
         peers = sorted({p for _, p in (*sends, *recvs)})
         for p in peers:
-            if p == self.rank or not 0 <= p < self.world_size:
-                raise ValueError(f"rank {self.rank}: {what!r}: invalid exchange peer {p} "
-                                 "(copy locally instead of exchanging with yourself)")
+            if not 0 <= p < self.world_size:
+                raise ValueError(f"rank {self.rank}: {what!r}: invalid exchange peer {p}")
         works, unstage = [], []
         try:
             with self._issue_stream():
@@ -112,12 +121,8 @@ class P2PCommunicator(TwoSided):
         if inp.shape != out.shape or inp.shape[0] % n:
             raise ValueError(f"all_to_all over {n} ranks needs equal shapes with dim 0 divisible "
                              f"by {n}, got out {tuple(out.shape)} and inp {tuple(inp.shape)}")
-        send_chunks, recv_chunks = inp.chunk(n), out.chunk(n)
-        me = ranks.index(self.rank)
-        recv_chunks[me].copy_(send_chunks[me])
-        others = [j for j in range(n) if j != me]
-        self.exchange([(send_chunks[j], ranks[j]) for j in others],
-                      [(recv_chunks[j], ranks[j]) for j in others], what=what).wait()
+        self.exchange(list(zip(inp.chunk(n), ranks)), list(zip(out.chunk(n), ranks)),
+                      what=what).wait()
 
     def close(self) -> None:
         """Directional groups are left to ``destroy_process_group`` (destroying one is collective)."""

@@ -122,7 +122,7 @@ class TwoSidedTorusIO:
     """
 
     def __init__(self, mesh: Mesh, comm: TwoSided, rank: int) -> None:
-        self.mesh, self.comm, self.rank = mesh, comm, rank
+        self.mesh, self.comm = mesh, comm
         self.t, self.u, self.r = mesh.coords(rank)
         self.ring_ranks = mesh.ring_groups[self.t * mesh.ulysses_intra + self.u]
         self._ring = PassRing(comm, self.ring_ranks, self.r)
@@ -151,17 +151,9 @@ class TwoSidedTorusIO:
         into my slot [t-kk, b] (kk = 0: within my machine)."""
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tn, tp = (t + kk) % T, (t - kk) % T
-        return [self._send_recv([(self.src[n][tn, b], self._peer(tn, b)) for b in range(U)],
-                                [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
-                                what=f"{what} {n}") for n in names]
-
-    def _send_recv(self, sends, recvs, *, what: str) -> Handle:
-        """``comm.exchange`` with my own slot (kk = 0, b = u) copied locally."""
-        (mine,) = [x for x, p in sends if p == self.rank] or [None]
-        if mine is not None:
-            next(x for x, p in recvs if p == self.rank).copy_(mine)
-        return self.comm.exchange([s for s in sends if s[1] != self.rank],
-                                  [r for r in recvs if r[1] != self.rank], what=what)
+        return [self.comm.exchange([(self.src[n][tn, b], self._peer(tn, b)) for b in range(U)],
+                                   [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
+                                   what=f"{what} {n}") for n in names]
 
     def issue_pulls(self):
         T = self.mesh.torus
@@ -187,7 +179,7 @@ class TwoSidedTorusIO:
         tp, tn = (t - kk) % T, (t + kk) % T
         sends = [(self.O[tp, b], self._peer(tp, b)) for b in range(U)]
         recvs = [(self.Ob[tn, b], self._peer(tn, b)) for b in range(U)]
-        self._pending.append(self._send_recv(sends, recvs, what=f"Push-O to machine {tp}"))
+        self._pending.append(self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp}"))
 
     def stage_out(self):
         pending, self._pending = self._pending, []
