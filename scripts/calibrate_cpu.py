@@ -5,6 +5,8 @@ the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W i
 
 - ``attn_flops[dtype]``: ``kernels.attend`` on [1, 4, 1024, 128] Q/K/V, 4*B*h*Lq*Lk*D / time;
   ``head_dim_efficiency[D]``: bf16 throughput at D relative to D=128 (same Lq*Lk);
+  ``query_len_efficiency[Lq]``: bf16 throughput at Lq (1024 keys, D=128) relative to Lq=1024
+  (torch's CPU kernel tiles short query blocks by 64 rows: Torus stages run such calls);
 - ``attend_overhead_s``, ``merge_s_per_elem``: attend against 16 keys at Lq=64 and Lq=4096
   (fit: overhead + merge * B*h*Lq*D);
 - ``gloo_bw``/``gloo_latency_s``: P2PCommunicator.exchange between rank pairs (4 MiB / 4 B,
@@ -13,9 +15,13 @@ the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W i
   symmetric buffer, barrier_all;
 - ``copy_bw``: a 16 MiB ``copy_``;
 - ``overlap``: attend alone (c), exchange alone (m), both at once (b):
-  ``overlap = 1 - (b - max(c, m)) / m`` (fraction of the exchange's CPU work hidden).
+  ``overlap = 1 - (b - max(c, m)) / m`` (fraction of the exchange's CPU work hidden);
+- ``link_efficiency``: on 4 emulated machines joined by ``--link-mbit`` links (``netns.py``,
+  root), every rank pulls 9 blocks of 384 KiB from the other machines in the Torus order
+  (shm proxy gets, one FIFO) or exchanges them (p2p, all posted at once) while it computes;
+  received bytes/s per machine over the link's rate: ``one_sided`` and ``two_sided``.
 
-Command: /work/venv/bin/python scripts/calibrate_cpu.py [--worlds 4,8] [--reps 7]
+Command: /work/venv/bin/python scripts/calibrate_cpu.py [--worlds 4,8] [--reps 7] [--link-mbit 80]
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from xfuser_swiftfusion.comm import make_one_sided, make_two_sided
 from xfuser_swiftfusion.cost_model import CPU_PROFILE_PATH
 from xfuser_swiftfusion.kernels import attend, new_state
 from xfuser_swiftfusion.launcher import run_emulated
+from xfuser_swiftfusion.netns import LinkSpec
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -68,6 +75,8 @@ def _measure(reps: int) -> dict:
     rate = {d: 4 * 4 * L * L * d / _attend_time(L, L, d, "bf16", reps) for d in (32, 64, 128)}
     flops = {"bf16": rate[D], "fp32": 4 * 4 * L * L * D / _attend_time(L, L, D, "fp32", reps)}
     eff = {d: r / rate[D] for d, r in rate.items()}
+    q_rate = {lq: 4 * 4 * lq * L * D / _attend_time(lq, L, D, "bf16", reps) for lq in (L, 256, 512, 2048)}
+    q_eff = {lq: r / q_rate[L] for lq, r in q_rate.items()}
     t_small, t_big = _attend_time(64, 16, 128, "bf16", reps), _attend_time(4096, 16, 128, "bf16", reps)
     merge = (t_big - t_small) / (4 * (4096 - 64) * 128)
     overhead = max(t_small - merge * 4 * 64 * 128, 0.0)
@@ -111,10 +120,55 @@ def _measure(reps: int) -> dict:
     one.barrier_all(what="calibrate end")
     one.close()
     two.close()
-    return {"attn_flops": flops, "head_dim_efficiency": eff, "attend_overhead_s": overhead,
+    return {"attn_flops": flops, "head_dim_efficiency": eff, "query_len_efficiency": q_eff,
+            "attend_overhead_s": overhead,
             "merge_s_per_elem": merge, "gloo_bw": gloo_bw, "gloo_latency_s": gloo_lat,
             "shm_bw": shm_bw, "shm_latency_s": shm_lat, "barrier_s": barrier, "copy_bw": copy_bw,
             "overlap": overlap, "overlap_probe_s": {"attend": c, "exchange": m, "both": b}}
+
+
+def _link_probe(reps: int, rate_mbit: float) -> dict:
+    """Received bytes/s per rank over the throttled link, relative to the link rate, while
+    the rank computes (see the module docstring)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node_of = list(range(world))
+    n = 3 << 16  # 384 KiB of bf16
+    ks = [k for _ in range(3) for k in range(1, world)]  # Q, K, V of every stage k
+    one = make_one_sided("shm", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
+    two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
+    src = one.symmetric_empty((n,), torch.bfloat16)
+    dst = [torch.empty(n, dtype=torch.bfloat16) for _ in ks]
+    send = torch.randn(n).to(torch.bfloat16)
+    q = torch.randn(1, 4, 1024, 64).to(torch.bfloat16)
+
+    def computing(issue) -> None:
+        """``issue()``'s transfers, waited for while a thread computes beside them."""
+        stop = threading.Event()
+
+        def compute():
+            st = [new_state(q)]
+            while not stop.is_set():
+                attend([q], [(q, q)], st, scale=0.125)
+        th = threading.Thread(target=compute)
+        th.start()
+        try:
+            for h in issue():
+                h.wait()
+        finally:
+            stop.set()
+            th.join()
+
+    pulls = lambda: [one.get(d, src, (rank - k) % world, queue="other", what="link probe")  # noqa: E731
+                     for d, k in zip(dst, ks)]
+    exchanges = lambda: [two.exchange([(send, (rank + k) % world)], [(d, (rank - k) % world)],  # noqa: E731
+                                      what="link probe") for d, k in zip(dst, ks)]
+    wire = rate_mbit * 1e6 / 8
+    out = {name: len(ks) * n * 2 / _timed(lambda f=f: computing(f), reps) / wire
+           for name, f in (("one_sided", pulls), ("two_sided", exchanges))}
+    one.barrier_all(what="link probe end")
+    one.close()
+    two.close()
+    return out
 
 
 def _median_over_ranks(results: list[dict]) -> dict:
@@ -130,14 +184,18 @@ def main() -> int:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=str(CPU_PROFILE_PATH))
+    ap.add_argument("--link-mbit", type=float, default=80.0, help="rate of the link probe")
     args = ap.parse_args()
     runs = {}
     for w in (int(x) for x in args.worlds.split(",")):
         runs[str(w)] = _median_over_ranks(run_emulated(_measure, f"{w}x1", args.reps, timeout_s=900))
         print(f"W={w}: " + json.dumps(runs[str(w)], indent=1), flush=True)
+    link = _median_over_ranks(run_emulated(_link_probe, "4x1", args.reps, args.link_mbit,
+                                           timeout_s=900, link=LinkSpec(args.link_mbit)))
+    print(f"link efficiency at {args.link_mbit:g} Mbit/s: {link}", flush=True)
     data = {"command": "/work/venv/bin/python " + " ".join(sys.argv), "cores": os.cpu_count(),
             "torch": torch.__version__, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "tbf_efficiency": 0.95, "runs": runs}
+            "link_efficiency": link, "runs": runs}
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
     print(f"wrote {args.out}")

@@ -184,6 +184,28 @@ def _shm_group_barrier() -> dict:
     return {"ok": ok, "waited": waited}
 
 
+def _shm_sync_does_not_quiet() -> dict:
+    me = dist.get_rank()
+    group = (0, 1) if me < 2 else (2, 3)
+    with _one_sided() as comm:
+        busy = comm._queues["other"].submit(lambda: time.sleep(1.0))  # a slow transfer in flight
+        if me in (1, 3):
+            time.sleep(0.3)  # sync still waits for a late partner
+        t0 = time.monotonic()
+        comm.sync(group, what="sync")
+        synced, in_flight = time.monotonic() - t0, not busy.done.is_set()
+        comm.barrier(group, what="barrier")  # quiets: waits for the slow transfer
+        drained = busy.done.is_set()
+        comm.barrier_all(what="end")
+    return {"synced": synced, "in_flight": in_flight, "drained": drained}
+
+
+def test_shm_sync_blocks_for_peers_but_leaves_transfers_in_flight():
+    res = run_emulated(_shm_sync_does_not_quiet, TOPO, timeout_s=60)
+    assert all(r["in_flight"] and r["drained"] for r in res), res
+    assert res[0]["synced"] > 0.2 and res[2]["synced"] > 0.2, res
+
+
 def test_shm_group_barrier_makes_puts_visible_and_blocks():
     res = run_emulated(_shm_group_barrier, TOPO, timeout_s=60)
     assert all(r["ok"] for r in res)

@@ -247,3 +247,18 @@ def test_without_root_the_launcher_says_so_and_offers_the_fast_mode(monkeypatch)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(NetnsUnavailable, match="root.*without link="):
         run_emulated(lambda: None, "2x1", link=LinkSpec(100), timeout_s=10)
+
+
+@needs_netns
+def test_check_cli_runs_over_throttled_links():
+    """``swiftfusion check --emulate 2x2 --link-mbit``: every strategy passes across a real
+    throttled link, the header says so, and no namespace is left."""
+    before = set(list_netns())
+    out = subprocess.run([sys.executable, "-m", "xfuser_swiftfusion.cli", "check", "--emulate", "2x2",
+                          "--link-mbit", str(RATE_MBIT), "--heads", "4", "--seq-len", "64",
+                          "--head-dim", "32", "--strategies", "usp,torus,swiftfusion"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"over {RATE_MBIT:g} Mbit/s links" in out.stdout
+    assert out.stdout.count("PASS") == 3, out.stdout
+    assert set(list_netns()) <= before

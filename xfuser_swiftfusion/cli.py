@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 import torch
 
+from .netns import add_link_argument, link_from_args
 from .strategies import STRATEGIES
 from .topology import (Topology, TopologyError, choose_mesh, counted_inter_node_elements,
                        paper_inter_node_elements_per_machine)
@@ -105,12 +106,9 @@ def _cmd_check(args) -> int:
             print(f"error: --seq-len {case.seq_len} is not divisible by the {topo.world_size} "
                   f"ranks of --emulate {topo}", file=sys.stderr)
             return 2
-        link = None
-        if args.link_mbit:
-            from .netns import LinkSpec
-            link = LinkSpec(args.link_mbit)
         rows = run_emulated(_check_main, topo, strategies, case, None, args.timeout,
-                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)), link=link)[0]
+                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)),
+                            link=link_from_args(args))[0]
     else:
         import torch.distributed as dist
         if not dist.is_initialized():
@@ -152,9 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("check", help="validate every strategy against single-device attention")
     ck.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
-    ck.add_argument("--link-mbit", type=float, metavar="RATE",
-                    help="with --emulate: one network namespace per machine, links throttled to "
-                         "RATE Mbit/s each way (needs root)")
+    add_link_argument(ck)
     ck.add_argument("--topology", metavar="NxM", help="override detected machines x GPUs (torchrun)")
     ck.add_argument("--strategies", default=",".join(STRATEGIES))
     ck.add_argument("--heads", type=int, default=24)

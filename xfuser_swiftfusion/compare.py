@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .log import get_logger
+from .netns import add_link_argument, link_from_args
 
 logger = get_logger(__name__)
 
@@ -369,6 +370,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-flux",
                    help="tiny-flux, tiny-cogvideox or a local FLUX.1 / CogVideoX checkpoint dir")
     p.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
+    add_link_argument(p)
     p.add_argument("--topology", metavar="NxM", help="override detected machines x GPUs (torchrun)")
     p.add_argument("--strategies", default=None,
                    help=f"comma-separated (default: {','.join(DEFAULT_STRATEGIES)} where available)")
@@ -471,8 +473,10 @@ def cmd_compare(args) -> int:
         import xfuser.model_executor.layers.usp  # noqa: F401
         from .models import parallel  # noqa: F401
         timeout = 300.0 + 60.0 * cfg.repeats * len(cfg.strategies)
-        rows = run_emulated(_compare_rank, topo, cfg, timeout_s=timeout)[0]
-        where = f"emulated {topo} ({topo.world_size} ranks)"
+        link = link_from_args(args)
+        rows = run_emulated(_compare_rank, topo, cfg, timeout_s=timeout, link=link)[0]
+        where = f"emulated {topo} ({topo.world_size} ranks" + (
+            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
     else:
         if not dist.is_initialized():
             if "RANK" not in os.environ:

@@ -64,14 +64,20 @@ class HardwareProfile:
     comm_cpu_bw: float = math.inf  # CPU work per transferred byte (shared-host emulation)
     overlap: float = 1.0       # fraction of that CPU work hidden behind compute
     source: str = ""
+    # Lq -> throughput relative to Lq = 1024 (the CPU kernel tiles queries by 64 rows below
+    # Lq = 768, by 256 above); empty: no dependence on the query length
+    query_len_efficiency: dict[int, float] = field(default_factory=dict)
 
-    def flops(self, dtype: str, head_dim: int) -> float:
-        eff = self.head_dim_efficiency
-        if head_dim in eff:
-            e = eff[head_dim]
-        else:  # nearest measured head dim
-            e = eff[min(eff, key=lambda d: abs(math.log(d / head_dim)))]
+    def flops(self, dtype: str, head_dim: int, lq: int | None = None) -> float:
+        e = _nearest(self.head_dim_efficiency, head_dim)
+        if lq and self.query_len_efficiency:
+            e *= _nearest(self.query_len_efficiency, lq)
         return self.attn_flops["bf16" if dtype == "fp16" else dtype] * e
+
+
+def _nearest(table: dict[int, float], x: int) -> float:
+    """``table[x]``, else the entry whose key is nearest to ``x`` on a log scale."""
+    return table[x] if x in table else table[min(table, key=lambda k: abs(math.log(k / x)))]
 
 
 def _gpu(name, intra, inter, flops_bf16, source, barrier=20e-6):
@@ -110,9 +116,11 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
     # rates measured with int(w) ranks sharing the host's cores: rescale to world_size ranks
     share = max(int(w), data["cores"]) / max(world_size, data["cores"])
     inter, one_inter = m["gloo_bw"] * share, m["shm_bw"] * share
-    if link_mbit is not None:
-        wire = link_mbit * 1e6 / 8 * data.get("tbf_efficiency", 0.95) / gpus_per_node
-        inter, one_inter = min(inter, wire), min(one_inter, wire)
+    if link_mbit is not None:  # what each path gets of the link while ranks compute (probe)
+        wire = link_mbit * 1e6 / 8 / gpus_per_node
+        eff = data["link_efficiency"]
+        inter = min(inter, wire * eff["two_sided"])
+        one_inter = min(one_inter, wire * eff["one_sided"])
     return HardwareProfile(
         name="cpu-emulated" + (f"@{link_mbit:g}Mbit" if link_mbit else ""),
         intra_bw=m["gloo_bw"] * share, inter_bw=inter,
@@ -121,6 +129,7 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
         barrier_s=m["barrier_s"],
         attn_flops={k: v * share for k, v in m["attn_flops"].items()},
         head_dim_efficiency={int(k): v for k, v in m["head_dim_efficiency"].items()},
+        query_len_efficiency={int(k): v for k, v in m.get("query_len_efficiency", {}).items()},
         attend_overhead_s=m["attend_overhead_s"] / share, merge_s_per_elem=m["merge_s_per_elem"] / share,
         copy_bw=m["copy_bw"] * share, comm_cpu_bw=m["gloo_bw"] * share, overlap=m["overlap"],
         source=data["command"])
@@ -190,7 +199,7 @@ class _Model:
     # -- compute
     def attend(self, lq: int, lk: int) -> float:
         w, p = self.w, self.p
-        t = (4 * w.batch * self.h * lq * lk * w.head_dim / p.flops(w.dtype, w.head_dim)
+        t = (4 * w.batch * self.h * lq * lk * w.head_dim / p.flops(w.dtype, w.head_dim, lq)
              + p.attend_overhead_s + w.batch * self.h * lq * w.head_dim * p.merge_s_per_elem)
         self.compute += t
         return t

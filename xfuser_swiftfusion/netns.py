@@ -68,6 +68,18 @@ class LinkSpec:
         return self.rate_mbit * 1e6 / 8
 
 
+def add_link_argument(parser) -> None:
+    """``--link-mbit RATE`` for CLI commands that take ``--emulate NxM``."""
+    parser.add_argument("--link-mbit", type=float, metavar="RATE",
+                        help="with --emulate: one network namespace per machine, links throttled "
+                             "to RATE Mbit/s each way (needs root)")
+
+
+def link_from_args(args) -> LinkSpec | None:
+    """The ``LinkSpec`` asked for by ``--link-mbit`` (None: all ranks on loopback)."""
+    return LinkSpec(args.link_mbit) if getattr(args, "link_mbit", None) else None
+
+
 @dataclass(frozen=True)
 class Network:
     """A created emulated network of ``nodes`` machines (picklable; passed to ranks by env)."""

@@ -8,7 +8,9 @@ Two families share one byte accounting:
   local tensor, both asynchronous on a named queue (``"ring"`` or ``"other"``; a CUDA stream
   on GPU, a copy thread on CPU) and completed by ``Handle.wait``. ``barrier_all`` and
   ``barrier(ranks)`` also complete every transfer the caller issued before them (quiet),
-  so data put before a barrier is visible to its target after the barrier.
+  so data put before a barrier is visible to its target after the barrier; ``sync(ranks)``
+  is the rendezvous alone (NVSHMEM's team sync): transfers still in flight stay in flight,
+  so a pipeline of gets is not drained by it.
 - ``TwoSided`` (``p2p``): ``exchange`` of tensors with matching sends/receives, and
   ``all_to_all``, over torch.distributed (NCCL on GPU, gloo on CPU).
 
@@ -123,6 +125,11 @@ class OneSided(Communicator):
     @abc.abstractmethod
     def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
         """Quiet my transfers, then wait for ``ranks`` (which include me)."""
+
+    @abc.abstractmethod
+    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
+        """Wait for ``ranks`` (which include me) without quieting my transfers: only what I
+        completed (``Handle.wait``) before it is visible to them after it."""
 
     @abc.abstractmethod
     def symmetric_heap_bytes(self) -> int:

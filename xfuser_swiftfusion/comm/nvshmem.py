@@ -11,7 +11,7 @@ CUDA stream (``"ring"`` or ``"other"``), after the current stream; a non-contigu
 is staged through a contiguous temporary on the same stream. A handle is a CUDA event on that
 stream: ``wait`` polls it against the timeout, then orders the current stream after it.
 Barriers run on a third stream after both queues and the current stream (NVSHMEM barriers
-also complete every transfer this PE issued); groups are NVSHMEM teams built collectively by
+also complete every transfer this PE issued), a ``sync`` after the current stream only; groups are NVSHMEM teams built collectively by
 ``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
 symmetric tensor and team in creation order, then finalizes NVSHMEM.
 
@@ -192,9 +192,10 @@ class NvshmemCommunicator(OneSided):
             delay = min(delay * 2, 1e-3)
         torch.cuda.current_stream().wait_event(event)
 
-    def _barrier(self, issue: Callable[[int], None], doing: str, what: str) -> None:
+    def _barrier(self, issue: Callable[[int], None], doing: str, what: str, quiet: bool = True) -> None:
         stream = self._streams["barrier"]
-        for s in (self._streams["ring"], self._streams["other"], torch.cuda.current_stream()):
+        after = (self._streams["ring"], self._streams["other"]) if quiet else ()
+        for s in (*after, torch.cuda.current_stream()):
             stream.wait_stream(s)
         issue(stream.cuda_stream)
         event = torch.cuda.Event()
@@ -214,16 +215,25 @@ class NvshmemCommunicator(OneSided):
                                                  self._core.TeamConfig(), 0)
             self._teams[key] = team
 
-    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
+    def _team(self, ranks: tuple[int, ...]) -> int:
         key = tuple(sorted(ranks))
         if self.rank not in key:
-            raise ValueError(f"rank {self.rank} is not in barrier group {ranks}")
+            raise ValueError(f"rank {self.rank} is not in group {ranks}")
         if key not in self._teams:
             raise ValueError(f"group {ranks} has no NVSHMEM team: declare it with prepare_groups "
                              "(collective) before the first barrier")
-        team = int(self._teams[key])
+        return int(self._teams[key])
+
+    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
+        team = self._team(ranks)
         self._barrier(lambda s: self._bindings.barrier_on_stream(team, s),
                       f"barrier over ranks {ranks}", what)
+
+    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
+        """Team sync after the current stream only: gets still queued stay in flight."""
+        team = self._team(ranks)
+        self._barrier(lambda s: self._bindings.team_sync_on_stream(team, s),
+                      f"sync over ranks {ranks}", what, quiet=False)
 
     def close(self) -> None:
         """Collective: free tensors and teams in creation order, then finalize NVSHMEM."""

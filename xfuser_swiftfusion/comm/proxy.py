@@ -44,7 +44,7 @@ PROXY_ADDR_ENV = "SWIFTFUSION_PROXY_ADDR"
 def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
     got = 0
     while got < len(buf):
-        n = sock.recv_into(buf[got:])
+        n = sock.recv_into(buf[got:], len(buf) - got, socket.MSG_WAITALL)
         if n == 0:
             raise ConnectionError("connection closed by the other side")
         got += n

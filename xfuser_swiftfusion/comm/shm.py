@@ -20,7 +20,8 @@ epoch per group without having to agree on group ids.
 
 Transfers run on one copy thread per queue (FIFO, like a CUDA stream), local copies and proxy
 requests alike; ``copy_`` and socket I/O release the GIL so transfers overlap compute on the
-main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied).
+main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied); ``sync`` is the
+same rendezvous without the quiet.
 
 Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
 died or closed its communicator (on another machine: its proxy connection ended without /
@@ -301,6 +302,11 @@ class ShmCommunicator(OneSided):
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in barrier group {ranks}")
         self._quiet(what)
+        self.sync(ranks, what=what)
+
+    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in sync group {ranks}")
         mine = self._control[self.rank]
         peers = sorted(set(ranks) - {self.rank})
         for p in peers:

@@ -7,11 +7,12 @@ working slot (it is only written by the intra-machine scatter), so each of Q, K,
 exactly one extra copy besides its staging buffer.
 
 Synchronisation: one ``barrier_all`` after the intra-machine scatter, one at the end of the
-layer, and a ring-group barrier per Pull-KV stage. Why that is enough:
+layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
 - ``Qb/Kb/Vb[a != t]`` (read by other machines' gets) are rewritten at the start of the next
   layer, after every get of this layer completed (end barrier: ranks quiet before it);
 - ``Qb/Kb/Vb[t]`` is written only by the scatter's puts, after the previous end barrier;
-- ``K/V[t']`` is pulled into before ring peers read it; the Pull-KV ring barrier orders that;
+- ``K/V[t']`` is pulled into (and waited for) before ring peers read it; the Pull-KV ring
+  sync orders that without draining the later stages' pulls still in flight;
 - ``Ob`` is copied out before this rank enters the next layer's first barrier, which every
   peer must pass before it pushes into ``Ob`` again.
 """
@@ -97,8 +98,9 @@ class OneSidedTorusIO:
         self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what)
 
     def barrier_ring(self, *, what):
-        if len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t']
-            self.comm.barrier(self.ring_ranks, what=f"{what} ring-group barrier")
+        if len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t'], which I waited
+            # for; a sync, not a barrier: a barrier's quiet would drain the later stages' pulls
+            self.comm.sync(self.ring_ranks, what=f"{what} ring-group sync")
 
     def push_o(self, kk):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
