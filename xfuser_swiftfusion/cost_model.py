@@ -129,7 +129,7 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
         barrier_s=m["barrier_s"],
         attn_flops={k: v * share for k, v in m["attn_flops"].items()},
         head_dim_efficiency={int(k): v for k, v in m["head_dim_efficiency"].items()},
-        query_len_efficiency={int(k): v for k, v in m.get("query_len_efficiency", {}).items()},
+        query_len_efficiency={int(k): v for k, v in m["query_len_efficiency"].items()},
         attend_overhead_s=m["attend_overhead_s"] / share, merge_s_per_elem=m["merge_s_per_elem"] / share,
         copy_bw=m["copy_bw"] * share, comm_cpu_bw=m["gloo_bw"] * share, overlap=m["overlap"],
         source=data["command"])

@@ -11,8 +11,8 @@ CUDA stream (``"ring"`` or ``"other"``), after the current stream; a non-contigu
 is staged through a contiguous temporary on the same stream. A handle is a CUDA event on that
 stream: ``wait`` polls it against the timeout, then orders the current stream after it.
 Barriers run on a third stream after both queues and the current stream (NVSHMEM barriers
-also complete every transfer this PE issued), a ``sync`` after the current stream only; groups are NVSHMEM teams built collectively by
-``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
+also complete every transfer this PE issued), a ``sync`` after the current stream only; groups
+are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
 symmetric tensor and team in creation order, then finalizes NVSHMEM.
 
 Over InfiniBand NVSHMEM needs the local side of an RMA to be registered memory: pass views of

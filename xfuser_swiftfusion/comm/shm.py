@@ -20,8 +20,8 @@ epoch per group without having to agree on group ids.
 
 Transfers run on one copy thread per queue (FIFO, like a CUDA stream), local copies and proxy
 requests alike; ``copy_`` and socket I/O release the GIL so transfers overlap compute on the
-main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied); ``sync`` is the
-same rendezvous without the quiet.
+main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied);
+``sync`` is the same rendezvous without the quiet.
 
 Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
 died or closed its communicator (on another machine: its proxy connection ended without /
