@@ -18,9 +18,14 @@ within each repetition, medians over ``--reps``:
   ``--link`` also the kernel qdisc bytes sent by all machines per call (headers included);
 - ``peak_rss``: growth of the process's resident-set high-water mark (VmHWM, reset through
   /proc/self/clear_refs) over its RSS before the strategy's first call, max over ranks: every
-  buffer the call allocates incl. persistent receive/symmetric buffers (glibc returns freed
-  large blocks to the OS: the script runs with MALLOC_MMAP_THRESHOLD_=65536). Shared memory
-  of peers that a rank reads counts in its RSS too (swiftfusion is over-counted, not under);
+  buffer the call allocates incl. persistent receive/symmetric buffers. That first call runs
+  with glibc's mmap threshold at 64 KiB, so freed large blocks go back to the OS and one
+  strategy's garbage does not hide the next one's growth; the timed calls run with a 32 MiB
+  threshold (glibc's own steady state), as a serving process would: at 64 KiB every large
+  tensor is a fresh mmap with zero-filled page faults, which taxed the strategies with many
+  small ops (swiftfusion on 4x2) by ~20 % and usp by ~5 % in the runs before this change.
+  Shared memory of peers that a rank reads counts in its RSS too (swiftfusion is
+  over-counted, not under);
 - ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile.
 
 ``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
@@ -33,6 +38,7 @@ Command (see BENCHMARKS.md): /work/venv/bin/python scripts/bench_layer.py [--qui
 from __future__ import annotations
 
 import argparse
+import ctypes
 import csv
 import json
 import math
@@ -42,21 +48,17 @@ import sys
 import time
 from pathlib import Path
 
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed tensors must leave RSS (see docstring)
-    os.execve(sys.executable, [sys.executable, *sys.argv],
-              {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import xfuser_swiftfusion as sf  # noqa: E402
-from xfuser_swiftfusion import kernels  # noqa: E402
-from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict  # noqa: E402
-from xfuser_swiftfusion.kernels import new_state  # noqa: E402
-from xfuser_swiftfusion.launcher import run_emulated  # noqa: E402
-from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod  # noqa: E402
-from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements  # noqa: E402
+import xfuser_swiftfusion as sf
+from xfuser_swiftfusion import kernels
+from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict
+from xfuser_swiftfusion.kernels import new_state
+from xfuser_swiftfusion.launcher import run_emulated
+from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod
+from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 STRATS = ("usp", "tas", "torus", "swiftfusion", "auto")
@@ -131,6 +133,22 @@ def timed_cpu(fn) -> tuple[float, float]:
     return wall, all_max(time.process_time() - c0, dist.ReduceOp.SUM)
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def malloc_for(memory: bool) -> None:
+    """glibc malloc for measuring peak memory (``True``: blocks >= 64 KiB are mmapped and
+    returned on free; the heap is trimmed first) or for timing (``False``: a 32 MiB mmap
+    threshold, glibc's dynamic maximum, so freed blocks are reused as in a long-running
+    process)."""
+    libc = ctypes.CDLL("libc.so.6")
+    if memory:
+        libc.malloc_trim(0)
+    threshold = 64 << 10 if memory else 32 << 20
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)):
+        raise RuntimeError("mallopt failed: peak-memory and timing modes need glibc")
+
+
 def _kb(field: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith(field):
@@ -162,6 +180,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
         else:
             q, k, v = (torch.randn(B, H, S, D, generator=g).to(DT[dt]) for _ in range(3))
         res = {s: {"lat": [], "comp": [], "lat_cpu": [], "comp_cpu": []} for s in strategies}
+        malloc_for(memory=True)
         # auto first: xFuser's USP state exists once per process, so when auto picks usp
         # (at the default degrees) the usp row measures that same xFuser USP context
         for s in sorted(strategies, key=lambda x: x != "auto"):
@@ -208,6 +227,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
                     r["bytes_ok"] = all_max(ctx.stats()["inter_node_bytes"] != want) == 0
             del out
         if not quick:
+            malloc_for(memory=False)
             comp_fns = {s: replay(res[s]["calls"]) for s in strategies}
             it = range(reps)
             for _ in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):

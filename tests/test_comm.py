@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -149,6 +150,62 @@ def _shm_invalid() -> list[str]:
     except RuntimeError as exc:
         errors.append(str(exc))
     return errors
+
+
+def test_copy_queue_keeps_two_requests_in_flight_and_completes_in_order():
+    """Proxy requests of one kind overlap (the second is sent before the first's reply is
+    received), never more than two; a local copy or a request of the other kind waits for
+    those in flight; completion (``done``) stays in submission order, also after a failure."""
+    from xfuser_swiftfusion.comm.shm import _IN_FLIGHT, _CopyQueue
+
+    assert _IN_FLIGHT == 2
+    log: list[str] = []
+    gate = {i: threading.Event() for i in range(7)}
+
+    def request(i: int, fail: bool = False):
+        def send():
+            log.append(f"send {i}")
+            if fail:
+                raise ConnectionError(f"request {i} could not be sent")
+
+            def finish():
+                assert gate[i].wait(5.0), f"reply {i} never released"
+                log.append(f"reply {i}")
+            return finish
+        return send
+
+    q = _CopyQueue("test-queue")
+    try:
+        jobs = [q.submit(request(0), "get"), q.submit(request(1), "get"), q.submit(request(2), "get"),
+                q.submit(lambda: log.append("local 3")), q.submit(request(4), "put"),
+                q.submit(request(5), "get"), q.submit(request(6, fail=True), "get")]
+        time.sleep(0.2)
+        assert log == ["send 0", "send 1"]  # two in flight, the third waits for a reply
+        assert not any(j.done.is_set() for j in jobs)
+        gate[1].set()  # a later reply does not complete anything out of order
+        time.sleep(0.1)
+        assert not jobs[1].done.is_set() and log == ["send 0", "send 1"]
+        gate[0].set()
+        assert jobs[1].done.wait(5.0) and jobs[0].done.is_set()
+        time.sleep(0.1)
+        assert log[2:] == ["reply 0", "send 2", "reply 1"]
+        assert not jobs[3].done.is_set()  # the local copy waits for request 2
+        gate[2].set()
+        assert jobs[3].done.wait(5.0)
+        time.sleep(0.1)
+        assert log[5:] == ["reply 2", "local 3", "send 4"]  # the put is not sent beside a get
+        gate[4].set()
+        time.sleep(0.1)
+        assert log[8:] == ["reply 4", "send 5", "send 6"]
+        assert not jobs[6].done.is_set()  # the failed send completes after get 5
+        gate[5].set()
+        assert jobs[6].done.wait(5.0) and jobs[5].done.is_set() and jobs[5].error is None
+        assert isinstance(jobs[6].error, ConnectionError) and q.error is jobs[6].error
+        assert [j.done.is_set() for j in jobs] == [True] * 7
+    finally:
+        for g in gate.values():
+            g.set()
+        q.stop()
 
 
 def test_shm_rejects_invalid_transfers():

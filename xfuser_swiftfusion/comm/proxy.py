@@ -9,7 +9,10 @@ connection, which serves ``GET`` from and applies ``PUT`` into this rank's symme
 (``storage_of(buffer_id)``), and records ``ARRIVE`` barrier counts and ``BYE``. The client
 side (``Proxy``) holds, per remote peer, one eager control connection (barrier arrivals,
 liveness) and one lazy data connection per transfer queue, used only by that queue's thread:
-requests on one queue stay FIFO, like the local copies.
+requests on one queue stay FIFO, like the local copies. A request is split in two
+(``start`` sends it, the function it returns receives the reply), so the queue thread can
+have several requests in flight (``shm._IN_FLIGHT``): the link does not idle for a round
+trip between two transfers (at the request's turn in a busy reverse-direction queue).
 
 Wire format: header ``!BIQ`` = (op, meta length, payload length), then meta (JSON: buffer id,
 storage offset, sizes, strides, dtype of the symmetric view), then raw payload bytes (the view
@@ -201,32 +204,40 @@ class Proxy:
                 self._socks[key] = sock
         return sock
 
-    def _request(self, channel: str, peer: int, op: int, meta: dict,
-                 payload: torch.Tensor | None = None,
-                 into: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Send one request on ``channel`` to ``peer`` and return the reply's payload."""
+    def _failed(self, peer: int, exc: BaseException) -> Exception:
+        if isinstance(exc, socket.timeout):
+            return CommTimeout(f"peer rank {peer} sent nothing for {self.timeout_s:.1f} s")
+        return PeerFailure(f"connection to peer rank {peer} failed: {exc}")
+
+    def _reply(self, sock: socket.socket, peer: int, into: torch.Tensor | None) -> torch.Tensor | None:
+        """Receive the reply to the oldest request in flight on ``sock``; return its payload."""
         try:
-            sock = self._sock(channel, peer)
-            _send_msg(sock, op, meta, payload)
             reply, info, data = _recv_msg(sock, into)
-        except socket.timeout as exc:
-            raise CommTimeout(f"peer rank {peer} sent nothing for {self.timeout_s:.1f} s") from exc
         except (OSError, ConnectionError) as exc:
-            raise PeerFailure(f"connection to peer rank {peer} failed: {exc}") from exc
+            raise self._failed(peer, exc) from exc
         if reply == ERROR:
             raise RuntimeError(f"peer rank {peer} rejected the request: {info['error']}")
         return data
 
-    def put(self, channel: str, peer: int, meta: dict, src: torch.Tensor) -> None:
-        """``peer``'s symmetric view ``meta`` <- ``src``; returns once the peer applied it."""
-        self._request(channel, peer, PUT, meta, src.contiguous())
+    def start(self, op: str, channel: str, peer: int, meta: dict,
+              local: torch.Tensor) -> Callable[[], None]:
+        """Send a ``"put"`` (``peer``'s symmetric view ``meta`` <- ``local``) or ``"get"``
+        (``local`` <- that view) request on ``channel``; return the function that receives
+        its reply and completes it (a put once the peer applied it). Replies on one channel
+        come back in request order: call the returned functions in that order."""
+        direct = op == "put" or (local.is_contiguous() and local.numel() > 0)
+        try:
+            sock = self._sock(channel, peer)
+            _send_msg(sock, PUT if op == "put" else GET, meta,
+                      local.contiguous() if op == "put" else None)
+        except (OSError, ConnectionError) as exc:
+            raise self._failed(peer, exc) from exc
 
-    def get(self, channel: str, peer: int, meta: dict, dst: torch.Tensor) -> None:
-        """``dst`` <- ``peer``'s symmetric view ``meta``."""
-        direct = dst.is_contiguous() and dst.numel() > 0
-        data = self._request(channel, peer, GET, meta, into=dst if direct else None)
-        if not direct and dst.numel():
-            dst.copy_(data.view(dst.dtype).view(dst.shape))
+        def finish() -> None:
+            data = self._reply(sock, peer, into=local if op == "get" and direct else None)
+            if not direct and local.numel():
+                local.copy_(data.view(local.dtype).view(local.shape))
+        return finish
 
     def arrive(self, peer: int, count: int) -> None:
         """Tell ``peer`` I entered ``count`` barriers that include it."""

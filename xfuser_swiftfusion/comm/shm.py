@@ -20,8 +20,12 @@ epoch per group without having to agree on group ids.
 
 Transfers run on one copy thread per queue (FIFO, like a CUDA stream), local copies and proxy
 requests alike; ``copy_`` and socket I/O release the GIL so transfers overlap compute on the
-main thread. A barrier first quiets both queues (a proxy ``PUT`` completes once applied);
-``sync`` is the same rendezvous without the quiet.
+main thread. The thread keeps up to ``_IN_FLIGHT`` proxy requests of one kind (all gets or
+all puts) in flight and completes them in order, so completion stays FIFO per queue; a local
+copy or a request of the other kind first waits for those in flight (a big GET reply and a
+big PUT payload crossing on one connection could each fill the socket buffers the other
+needs). A barrier first quiets both queues (a proxy ``PUT`` completes once applied); ``sync``
+is the same rendezvous without the quiet.
 
 Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
 died or closed its communicator (on another machine: its proxy connection ended without /
@@ -30,6 +34,7 @@ final barrier, as NVSHMEM's collective finalize would require anyway.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import queue as queue_mod
@@ -57,22 +62,24 @@ PREFIX = "sf-"
 _LIVENESS_PERIOD_S = 0.01
 CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
 CROSS_NODE_MODES = ("proxy", "shm")
+_IN_FLIGHT = 2  # proxy requests per queue sent before the oldest reply is received
 
 
 class _Copy:
-    """One queued transfer ``fn()`` (a local ``copy_`` or a proxy request); ``done`` is set
-    after it ran (``error`` if it raised)."""
+    """One queued transfer: ``fn()`` does it, or, for a proxy request (``kind`` "put" or
+    "get"), sends it and returns the function that completes it; ``done`` is set after it
+    completed (``error`` if it raised)."""
 
-    __slots__ = ("fn", "done", "error")
+    __slots__ = ("fn", "kind", "done", "error")
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], object], kind: str | None) -> None:
+        self.fn, self.kind = fn, kind
         self.done = threading.Event()
         self.error: BaseException | None = None
 
 
 class _CopyQueue:
-    """A FIFO of copies executed by one daemon thread."""
+    """A FIFO of copies executed by one daemon thread, completed in submission order."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue_mod.SimpleQueue[_Copy | None] = queue_mod.SimpleQueue()
@@ -81,21 +88,50 @@ class _CopyQueue:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object]) -> _Copy:
-        job = self.last = _Copy(fn)
+    def submit(self, fn: Callable[[], object], kind: str | None = None) -> _Copy:
+        job = self.last = _Copy(fn, kind)
         self._jobs.put(job)
         return job
 
+    def _attempt(self, job: _Copy, fn: Callable[[], object]) -> tuple[bool, object]:
+        """``(True, fn())``, or ``(False, None)`` with the error recorded on ``job``."""
+        try:
+            with torch.inference_mode():  # may write into tensors made in inference mode
+                return True, fn()
+        except BaseException as exc:  # reported by the waiter
+            job.error = exc
+            self.error = self.error or exc
+            return False, None
+
+    @staticmethod
+    def _done(job: _Copy) -> None:
+        job.done.set()
+        job.fn = None  # type: ignore[assignment]
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                with torch.inference_mode():  # may write into tensors made in inference mode
-                    job.fn()
-            except BaseException as exc:  # reported by the waiter
-                job.error = exc
-                self.error = self.error or exc
-            job.done.set()
-            job.fn = None  # type: ignore[assignment]
+        in_flight: collections.deque[tuple[_Copy, Callable[[], None]]] = collections.deque()
+
+        def complete_oldest() -> None:
+            job, finish = in_flight.popleft()
+            self._attempt(job, finish)
+            self._done(job)
+
+        while True:
+            if in_flight and (len(in_flight) == _IN_FLIGHT or self._jobs.empty()):
+                complete_oldest()
+                continue
+            job = self._jobs.get()
+            while in_flight and (job is None or job.kind != in_flight[0][0].kind):
+                complete_oldest()
+            if job is None:
+                return
+            ok, finish = self._attempt(job, job.fn)
+            if ok and job.kind is not None:
+                in_flight.append((job, finish))
+                continue
+            while in_flight:  # a failed request completes after the ones before it
+                complete_oldest()
+            self._done(job)
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -255,12 +291,13 @@ class ShmCommunicator(OneSided):
         buffer_id, storages = self._buffers.lookup(sym)
         self.counter.count(peer, sym.numel() * sym.element_size())
         if storages[peer] is None:  # another machine: through the proxy, like NVSHMEM over EFA
-            request = self._proxy.put if op == "put" else self._proxy.get
-            fn = functools.partial(request, queue, peer, view_meta(buffer_id, sym), local)
+            fn = functools.partial(self._proxy.start, op, queue, peer, view_meta(buffer_id, sym), local)
+            kind = op
         else:
             remote = self._peer_view(sym, peer)
             fn = functools.partial(remote.copy_, src) if op == "put" else functools.partial(dst.copy_, remote)
-        job = self._queues[queue].submit(fn)
+            kind = None
+        job = self._queues[queue].submit(fn, kind)
         return _CopyHandle(self, job, peer, f"{op} with peer {peer} on queue {queue!r}", what)
 
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:

@@ -5,6 +5,11 @@ ring rank r of R. Heads split into ``T*U`` groups of ``h``; group ``(a, b)`` is 
 GPU ``(a, b, r)``. Working set per GPU, ``[T, U, B, h, S, D]`` (slot ``[a, b]`` = tokens of
 GPU ``(a, b, r)``, head group ``(t, u)``); outputs ``[T, U, B, h, S + Tj, D]``.
 
+One refinement of Algorithm 1: its last Pull-KV stage runs one remote query block at a time,
+so each remote output is pushed as soon as it is final instead of all after the stage (on a
+link-bound layer the push, which nothing else can overlap, starts earlier); the work and the
+bytes are the same.
+
 The schedule is written once (``TorusAttention``) over a transport with five operations;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
 isend/irecv, ``OneSidedTorusIO`` (``swiftfusion.py``) with put/get on a symmetric heap.
@@ -84,17 +89,30 @@ class TorusAttention:
             tp = (t - kk) % T
             _wait(EKV[kk])
             io.barrier_ring(what=f"Pull-KV stage {kk}")
-            io.ring(remote_q, remote_st, tp, scale=scale, what=f"Pull-KV stage {kk}")
-        # Push-O: remote outputs are final; send them while finishing the local ones.
+            if kk < T - 1:
+                io.ring(remote_q, remote_st, tp, scale=scale, what=f"Pull-KV stage {kk}")
+        # ... the last one block by block (text queries with the first): each remote output
+        # is final after its block and leaves at once (Push-O) while the next one computes.
         O = io.O  # [T, U, B, h, S + Tj, D]
-        if joint is not None:
-            (txt,) = attend(text_q, [], text_st, scale=scale, finalize=True)
-            O[:, :, :, :, S:] = txt  # text rows of my head group ride in every slot
+
+        def finish_text() -> None:
+            if joint is not None:
+                (txt,) = attend(text_q, [], text_st, scale=scale, finalize=True)
+                O[:, :, :, :, S:] = txt  # text rows of my head group ride in every slot
+
         for kk in range(1, T):
             tp = (t - kk) % T
+            q_, st_ = (Q[tp] + text_q, st[tp] + text_st) if kk == 1 else (Q[tp], st[tp])
+            io.ring(q_, st_, (t + 1) % T, scale=scale,
+                    what=f"Pull-KV stage {T - 1}, queries of machine {tp}")
+            if kk == 1:
+                finish_text()
             attend(Q[tp], [], st[tp], scale=scale, finalize=True,
                    out=list(O[tp, :, :, :, :S].unbind(0)))
             io.push_o(kk)
+        if T == 1:
+            finish_text()
+        # Push-O: local queries against the remote K/V while the remote outputs travel.
         for tp in others:
             io.ring(Q[t], st[t], tp, scale=scale, what="Push-O")
         attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O[t, :, :, :, :S].unbind(0)))
