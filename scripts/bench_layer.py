@@ -181,13 +181,11 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             q, k, v = (torch.randn(B, H, S, D, generator=g).to(DT[dt]) for _ in range(3))
         res = {s: {"lat": [], "comp": [], "lat_cpu": [], "comp_cpu": []} for s in strategies}
         malloc_for(memory=True)
-        # auto first: xFuser's USP state exists once per process, so when auto picks usp
-        # (at the default degrees) the usp row measures that same xFuser USP context
-        for s in sorted(strategies, key=lambda x: x != "auto"):
+        # usp first: xFuser's USP state exists once per process, at usp's default degrees;
+        # auto then may pick usp only at those degrees (as inside an xFuser run)
+        for s in sorted(strategies, key=lambda x: x != "usp"):
             if (s, H) not in ctxs:
-                auto = ctxs.get(("auto", H))
-                shared = [c for (a, _), c in (auto._impl._contexts.items() if auto else ()) if a == "usp"]
-                ctxs[(s, H)] = shared[0] if s == "usp" and shared else sf.init_sequence_parallel(s, H, timeout_s=600)
+                ctxs[(s, H)] = sf.init_sequence_parallel(s, H, timeout_s=600)
             ctx = ctxs[(s, H)]
             ctx.reset_stats()
             rss0 = _kb("VmRSS")
@@ -251,9 +249,8 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
                         "compute_cpu_s": statistics.median(r["comp_cpu"])}
                 row["exposed_s"] = row["latency_s"] - row["compute_s"]
             rows.append(row)
-    for key, c in ctxs.items():
-        if key[0] == "auto" or not any(c is ch for a in ctxs.values() for ch in getattr(a._impl, "_contexts", {}).values()):
-            c.close()
+    for c in ctxs.values():
+        c.close()
     return rows
 
 
