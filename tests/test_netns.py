@@ -210,7 +210,8 @@ def test_sigkilled_rank_is_detected_across_the_link_and_nothing_is_left(tmp_path
 
 
 _PARENT = textwrap.dedent("""
-    import time
+    import faulthandler, signal, time
+    faulthandler.register(signal.SIGUSR1)  # the test asks for a stack dump if we hang
     import torch.distributed as dist
     from xfuser_swiftfusion.launcher import run_emulated
     from xfuser_swiftfusion.netns import LinkSpec, current_network
@@ -224,13 +225,23 @@ _PARENT = textwrap.dedent("""
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_signalled_parent_leaves_no_network(sig):
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+def test_signalled_parent_leaves_no_network(sig, tmp_path):
+    stderr = tmp_path / "stderr"
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE,
+                            stderr=stderr.open("w"), text=True)
     try:
         prefix = proc.stdout.readline().strip()
         assert prefix and list_netns(prefix), "the network was not created"
         proc.send_signal(sig)
-        proc.wait(timeout=20)
+        try:  # cleanup is bounded (terminate, join 5 s, kill per rank, then the network)
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail(f"parent still running 60 s after {sig!r}; its stacks:\n"
+                        + stderr.read_text()[-6000:])
     finally:
         if proc.poll() is None:
             proc.kill()
