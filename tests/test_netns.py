@@ -212,6 +212,9 @@ def test_sigkilled_rank_is_detected_across_the_link_and_nothing_is_left(tmp_path
 _PARENT = textwrap.dedent("""
     import faulthandler, signal, time
     faulthandler.register(signal.SIGUSR1)  # the test asks for a stack dump if we hang
+    # as in a terminal: pytest run in the background of a non-interactive shell (as CI may
+    # be) starts with SIGINT ignored, and a Python started so keeps ignoring it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch.distributed as dist
     from xfuser_swiftfusion.launcher import run_emulated
     from xfuser_swiftfusion.netns import LinkSpec, current_network
