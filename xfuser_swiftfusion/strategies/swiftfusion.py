@@ -1,10 +1,12 @@
 """``swiftfusion``: the Torus schedule over one-sided put/get (paper Algorithm 1).
 
-Symmetric buffers, ``[T, U, B, h, S, D]`` on every rank: staging ``Qb, Kb, Vb``, pulled
-working ``K, V`` (ring peers read them), and ``Ob`` ``[T, U, B, h, S + Tj, D]``. Local:
-pulled ``Q`` and the outputs ``O``. Slot ``[t, :]`` of ``Qb/Kb/Vb`` doubles as the local
-working slot (it is only written by the intra-machine scatter), so each of Q, K, V, O has
-exactly one extra copy besides its staging buffer.
+Symmetric buffers on every rank: staging ``Qb, Kb, Vb`` ``[T, U, B, h, S, D]``, pulled
+working ``K, V`` ``[T-1, U, B, h, S, D]`` (ring peers read them), and ``Ob``
+``[T, U, B, h, S + Tj, D]``. Local: pulled ``Q`` ``[T-1, ...]`` and the outputs ``O``
+``[T, ...]``. Slot ``[t, :]`` of ``Qb/Kb/Vb`` is the local working slot (it is only written by
+the intra-machine scatter); pulled blocks are stored by stage, machine ``(t - k) % T`` in slot
+``k - 1`` (the same slot on every ring peer, which shares ``t``). So Q, K and V each have
+(T-1)/T of an extra copy besides their staging buffer, O one.
 
 Synchronisation: one ``barrier_all`` after the intra-machine scatter, one at the end of the
 layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
@@ -51,10 +53,12 @@ class OneSidedTorusIO:
         B, H, S, D = q.shape
         key = (tuple(q.shape), q.dtype, out_len)
         if key not in self._buffers:
-            shape = lambda n: (T, U, B, H // (T * U), n, D)  # noqa: E731
-            sym = {n: self.comm.symmetric_empty(shape(S), q.dtype) for n in ("Qb", "Kb", "Vb", "K", "V")}
-            sym["Ob"] = self.comm.symmetric_empty(shape(out_len), q.dtype)
-            local = {"Q": q.new_empty(shape(S)), "O": q.new_empty(shape(out_len))}
+            shape = lambda m, n: (m, U, B, H // (T * U), n, D)  # noqa: E731
+            pulled = ("K", "V") if T > 1 else ()  # one machine: nothing to pull
+            sym = {n: self.comm.symmetric_empty(shape(T, S), q.dtype) for n in ("Qb", "Kb", "Vb")}
+            sym |= {n: self.comm.symmetric_empty(shape(T - 1, S), q.dtype) for n in pulled}
+            sym["Ob"] = self.comm.symmetric_empty(shape(T, out_len), q.dtype)
+            local = {"Q": q.new_empty(shape(T - 1, S)), "O": q.new_empty(shape(T, out_len))}
             self._buffers[key] = sym | local
         return self._buffers[key]
 
@@ -77,7 +81,7 @@ class OneSidedTorusIO:
 
         def gather_pull(names: tuple[str, ...], kk: int, what: str) -> list[Handle]:
             tp = (t - kk) % T
-            return [self.comm.get(b_[dst][tp, b], b_[src][t, u], self._peer(tp, b),
+            return [self.comm.get(b_[dst][kk - 1, b], b_[src][t, u], self._peer(tp, b),
                                   queue="other", what=f"{what}, {dst} from rank {self._peer(tp, b)}")
                     for dst, src in names for b in range(U)]
 
@@ -86,13 +90,17 @@ class OneSidedTorusIO:
                for kk in range(1, T)}
         return EQ, EKV
 
+    def _slot(self, a: int) -> int:
+        """Slot of machine ``a``'s pulled block (stage k = (t - a) % T stores it in k - 1)."""
+        return (self.t - a) % self.mesh.torus - 1
+
     def q_block(self, a):
-        return self.buf["Qb" if a == self.t else "Q"][a]
+        return self.buf["Qb"][a] if a == self.t else self.buf["Q"][self._slot(a)]
 
     def kv_block(self, a):
         if a == self.t:
             return self.buf["Kb"][a], self.buf["Vb"][a]
-        return self.buf["K"][a], self.buf["V"][a]
+        return self.buf["K"][self._slot(a)], self.buf["V"][self._slot(a)]
 
     def ring(self, q_chunks, states, a, *, scale, what):
         self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what)
