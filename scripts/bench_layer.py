@@ -18,8 +18,9 @@ within each repetition, medians over ``--reps``:
   ``--link`` also the kernel qdisc bytes sent by all machines per call (headers included);
 - ``peak_rss``: the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs
   after the first call) during the strategy's second call, over its RSS before the first,
-  max over ranks: persistent receive/symmetric buffers plus the call's transient peak, without
-  one-time setup (xFuser's lazily built state, connections). These calls run
+  max over ranks: what the strategy keeps between calls (symmetric/receive buffers, state
+  xFuser builds on its first call) plus the call's transient peak, without the first call's
+  one-time transient allocations. These calls run
   with glibc's mmap threshold at 64 KiB, so freed large blocks go back to the OS and one
   strategy's garbage does not hide the next one's growth; the timed calls run with a 32 MiB
   threshold (glibc's own steady state), as a serving process would: at 64 KiB every large
@@ -224,7 +225,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             del out
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS (persistent buffers stay in it)
-            ctx.attention(q, k, v)  # steady state: no one-time setup in the peak
+            ctx.attention(q, k, v)  # steady state: no one-time transient allocations in the peak
             r["peak_rss"] = all_max(_kb("VmHWM") - rss0)
         if not quick:
             malloc_for(memory=False)
