@@ -230,8 +230,9 @@ _PARENT = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_signalled_parent_leaves_no_network(sig, tmp_path):
     stderr = tmp_path / "stderr"
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE,
-                            stderr=stderr.open("w"), text=True)
+    with stderr.open("w") as err:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
     try:
         prefix = proc.stdout.readline().strip()
         assert prefix and list_netns(prefix), "the network was not created"

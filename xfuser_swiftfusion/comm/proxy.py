@@ -225,17 +225,17 @@ class Proxy:
         (``local`` <- that view) request on ``channel``; return the function that receives
         its reply and completes it (a put once the peer applied it). Replies on one channel
         come back in request order: call the returned functions in that order."""
-        direct = op == "put" or (local.is_contiguous() and local.numel() > 0)
+        get = op == "get"
+        into = local if get and local.is_contiguous() and local.numel() else None  # no copy
         try:
             sock = self._sock(channel, peer)
-            _send_msg(sock, PUT if op == "put" else GET, meta,
-                      local.contiguous() if op == "put" else None)
+            _send_msg(sock, GET if get else PUT, meta, None if get else local.contiguous())
         except (OSError, ConnectionError) as exc:
             raise self._failed(peer, exc) from exc
 
         def finish() -> None:
-            data = self._reply(sock, peer, into=local if op == "get" and direct else None)
-            if not direct and local.numel():
+            data = self._reply(sock, peer, into)
+            if get and into is None and local.numel():
                 local.copy_(data.view(local.dtype).view(local.shape))
         return finish
 
