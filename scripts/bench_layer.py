@@ -59,6 +59,7 @@ from xfuser_swiftfusion import kernels
 from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict
 from xfuser_swiftfusion.kernels import new_state
 from xfuser_swiftfusion.launcher import run_emulated
+from xfuser_swiftfusion.netns import add_link_argument, link_from_args
 from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod
 from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements
 
@@ -306,7 +307,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, choices=sorted(DT))
     ap.add_argument("--strategies", default=",".join(STRATS))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--link-mbit", type=float, default=None, help="tc tbf rate per machine link")
+    add_link_argument(ap)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.reps < 5 and not a.quick:
@@ -318,15 +319,12 @@ def main() -> int:
     heads = a.heads or (12 if a.quick else 16)
     dtype = a.dtype or ("fp32" if a.quick else "bf16")
     strategies = a.strategies.split(",")
-    link = None
-    if a.link_mbit:
-        from xfuser_swiftfusion.netns import LinkSpec
-        link = LinkSpec(a.link_mbit)
+    link = link_from_args(a)
     rows: list[dict] = []
     t0 = time.time()
     for topo_s in topos:
         topo = Topology.parse(topo_s)
-        points = [dict(topo=topo_s, link=a.link_mbit, B=b, L=L - L % topo.world_size, H=heads, D=d, dtype=dtype)
+        points = [dict(topo=topo_s, link=a.link_mbit, tcp_queue_kb=a.tcp_queue_kb, B=b, L=L - L % topo.world_size, H=heads, D=d, dtype=dtype)
                   for L in seqs for d in dims for b in ints(a.batches)]
         load0 = os.getloadavg()
         res = run_emulated(_rank_main, topo, points, strategies, a.reps, a.quick,

@@ -258,6 +258,22 @@ def test_signalled_parent_leaves_no_network(sig, tmp_path):
     assert list_netns(prefix) == []
 
 
+def _tcp_queue_limit() -> int:
+    with open("/proc/sys/net/ipv4/tcp_limit_output_bytes") as f:
+        return int(f.read())
+
+
+@needs_netns
+def test_tcp_queue_limit_is_set_in_every_machine_and_nowhere_else():
+    host = _tcp_queue_limit()
+    limited = run_emulated(_tcp_queue_limit, "2x1", link=LinkSpec(RATE_MBIT, tcp_queue_kb=48),
+                           timeout_s=60)
+    default = run_emulated(_tcp_queue_limit, "2x1", link=LinkSpec(RATE_MBIT), timeout_s=60)
+    assert limited == [48 * 1024] * 2
+    assert 48 * 1024 not in default
+    assert _tcp_queue_limit() == host
+
+
 def test_without_root_the_launcher_says_so_and_offers_the_fast_mode(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(NetnsUnavailable, match="root.*without link="):

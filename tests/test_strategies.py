@@ -118,7 +118,8 @@ def test_inter_node_bytes_equal_formula(topo):
 
 def _stage_errors(strategy):
     """Wrap the schedule's ring calls; after each, every touched Q chunk's running output
-    must equal fp64 attention over exactly the K/V blocks it has seen so far."""
+    must equal fp64 attention over exactly the K/V blocks it has seen so far. Also returns
+    the Q chunks attended after the last K/V block arrived, and T * U."""
     rank, world = dist.get_rank(), dist.get_world_size()
     B, H, L, D = 1, 12, 16 * world, 16
     g = torch.Generator().manual_seed(1)
@@ -132,13 +133,14 @@ def _stage_errors(strategy):
     heads = slice((t * U + u) * h, (t * U + u + 1) * h)
     tokens = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731  global rank -> its tokens
     seen: dict[tuple[int, int], set[int]] = {}
-    errors, stages = [], []
+    errors, stages, chunks = [], [], []
     io = impl.io
     original = io.ring
 
     def ring(q_chunks, states, a, *, scale, what):
         original(q_chunks, states, a, scale=scale, what=what)
         stages.append(what)
+        chunks.append((what, len(q_chunks)))
         owners = {io.q_block(a2)[b].data_ptr(): (a2, b) for a2 in range(T) for b in range(U)}
         for chunk, st in zip(q_chunks, states):
             a2, b = owners[chunk.data_ptr()]
@@ -157,17 +159,23 @@ def _stage_errors(strategy):
     finally:
         ctx.close()
     final = (out.double() - reference(q[:, :, tokens(rank)], k, v)).abs().max().item()
-    return stages, errors, final
+    last = [i for i, (what, _) in enumerate(chunks) if what.startswith(f"Pull-KV stage {T - 1},")]
+    after_last_pull = sum(n for _, n in chunks[last[0]:])
+    return stages, errors, final, after_last_pull, T * U
 
 
 @pytest.mark.parametrize("strategy", ["torus", "swiftfusion"])
 @pytest.mark.parametrize("topo", ["3x2", "2x4"])
 def test_stage_partial_outputs(strategy, topo):
-    for stages, errors, final in run_emulated(_stage_errors, topo, strategy, timeout_s=120):
+    for stages, errors, final, after_last_pull, TU in run_emulated(_stage_errors, topo, strategy,
+                                                                   timeout_s=120):
         assert stages[0] == "Pull-Q stage 1" and stages[-1] == "Push-O"
         assert any(s.startswith("Pull-KV") for s in stages)
         assert errors and max(e for _, e in errors) <= 1e-5, errors
         assert final <= 1e-5
+        # the local queries met every earlier K/V block in its own Pull-KV stage: after the
+        # last block arrives only the T*U query chunks are left (Algorithm 1: 2(T-1)U)
+        assert after_last_pull == TU, (after_last_pull, TU)
 
 
 def _inference_mode_rank():

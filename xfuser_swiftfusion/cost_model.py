@@ -17,8 +17,8 @@ per element, ``h = H / P_u`` heads after the Ulysses all-to-all, ``c(Lq, Lk)`` o
 - ``torus``: intra-machine scatter (blocking), every inter-machine Q then K/V transfer issued at
   once (two-sided: one FIFO per peer, peers share the link fairly), then ``T`` Pull-Q stages
   (ring of U*S queries over K[t], re-traversed every stage), ``T-1`` Pull-KV stages (ring of
-  (T-1)*U*S queries over K[t']; the last one per block of U*S queries, each block's output
-  sent as soon as it is final), Push-O sends overlapping the rest and the last ``T-1`` rings.
+  T*U*S queries over K[t']; the last one per block of U*S queries, each remote block's output
+  sent as soon as it is final, the local block last), Push-O sends overlapping the rest.
 - ``swiftfusion``: the same stages over one-sided transfers: one FIFO get queue (stage k's data
   arrives in issue order), a ring-group barrier per Pull-KV stage, two global barriers, no
   per-message rendezvous.
@@ -314,13 +314,13 @@ def _torus(m: _Model, x: int) -> tuple[float, dict]:
     t += ring_pass(US)                                        # Pull-Q stage 1
     for k in range(1, T):                                     # Pull-Q stages 2..T
         t = max(t, arr_q[k]) + ring_pass(US)
-    for k in range(1, T):                                     # Pull-KV stages 1..T-2
-        t = max(t, arr_kv[k]) + bar + (ring_pass((T - 1) * US) if k < T - 1 else 0.0)
+    for k in range(1, T):                         # Pull-KV stages 1..T-2, local queries too
+        t = max(t, arr_kv[k]) + bar + (ring_pass(T * US) if k < T - 1 else 0.0)
     push_done = link_free
     for _ in range(T - 1):   # last Pull-KV stage block by block, each output pushed when final
         t += ring_pass(US)
         push_done = max(t, push_done) + unit(blk)
-    for _ in range(T - 1):                                    # Push-O: local queries
+    if T > 1:                                     # Push-O: local queries against the last block
         t += ring_pass(US)
     t += m.xfer((U - 1) * m.X / (T * U), 0, U - 1)           # intra-machine O return
     # CPU cost of the inter-machine transfers that ran beside compute

@@ -53,11 +53,14 @@ class NetnsUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """One machine's link: ``rate_mbit`` in each direction, tbf ``burst`` and queue ``latency``."""
+    """One machine's link: ``rate_mbit`` in each direction, tbf ``burst`` and queue ``latency``;
+    ``tcp_queue_kb``: the most one TCP socket of the machine may keep in its upload queue
+    (``net.ipv4.tcp_limit_output_bytes`` in its namespace; None: the kernel's default, 4 MiB)."""
 
     rate_mbit: float
     burst_kbit: int = 256
     latency_ms: int = 100
+    tcp_queue_kb: int | None = None
 
     def __post_init__(self) -> None:
         if not self.rate_mbit > 0:
@@ -69,15 +72,20 @@ class LinkSpec:
 
 
 def add_link_argument(parser) -> None:
-    """``--link-mbit RATE`` for CLI commands that take ``--emulate NxM``."""
+    """``--link-mbit RATE`` and ``--tcp-queue-kb KB`` for commands that emulate a cluster."""
     parser.add_argument("--link-mbit", type=float, metavar="RATE",
                         help="with --emulate: one network namespace per machine, links throttled "
                              "to RATE Mbit/s each way (needs root)")
+    parser.add_argument("--tcp-queue-kb", type=int, metavar="KB", default=None,
+                        help="with --link-mbit: per-socket limit of queued upload bytes "
+                             "(tcp_limit_output_bytes; default: the kernel's 4 MiB)")
 
 
 def link_from_args(args) -> LinkSpec | None:
     """The ``LinkSpec`` asked for by ``--link-mbit`` (None: all ranks on loopback)."""
-    return LinkSpec(args.link_mbit) if getattr(args, "link_mbit", None) else None
+    if not getattr(args, "link_mbit", None):
+        return None
+    return LinkSpec(args.link_mbit, tcp_queue_kb=args.tcp_queue_kb)
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,9 @@ def create_network(nodes: int, link: LinkSpec) -> Network:
             _run("ip", "-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", DEV)
             _run("ip", "-n", ns, "link", "set", DEV, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if link.tcp_queue_kb is not None:
+                _run("ip", "netns", "exec", ns, "sysctl", "-qw",
+                     f"net.ipv4.tcp_limit_output_bytes={link.tcp_queue_kb * 1024}")
             _run("tc", "-n", ns, "qdisc", "add", "dev", DEV, "root", *tbf)    # upload
             _run("tc", "-n", br, "qdisc", "add", "dev", host, "root", *tbf)   # download
     except BaseException:

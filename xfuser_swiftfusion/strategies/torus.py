@@ -5,10 +5,13 @@ ring rank r of R. Heads split into ``T*U`` groups of ``h``; group ``(a, b)`` is 
 GPU ``(a, b, r)``. Working set per GPU, ``[T, U, B, h, S, D]`` (slot ``[a, b]`` = tokens of
 GPU ``(a, b, r)``, head group ``(t, u)``); outputs ``[T, U, B, h, S + Tj, D]``.
 
-One refinement of Algorithm 1: its last Pull-KV stage runs one remote query block at a time,
-so each remote output is pushed as soon as it is final instead of all after the stage (on a
-link-bound layer the push, which nothing else can overlap, starts earlier); the work and the
-bytes are the same.
+Two refinements of Algorithm 1, with the same work and bytes:
+- the local queries attend to each remote K/V block in the Pull-KV stage that brings it
+  (Algorithm 1 defers all of that to Push-O); only the last block's share stays there, to
+  overlap the pushes. On a link-bound layer compute idles while a stage's data arrives, and
+  the work left after the last arrival shrinks from 2(T-1) query blocks to T;
+- the last Pull-KV stage runs one remote query block at a time, so each remote output is
+  pushed as soon as it is final instead of all after the stage.
 
 The schedule is written once (``TorusAttention``) over a transport with five operations;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
@@ -84,13 +87,15 @@ class TorusAttention:
             _wait(EQ[kk])
             attend(Q[tp], text_kv, st[tp], scale=scale)
             io.ring(Q[tp], st[tp], t, scale=scale, what=f"Pull-Q stage {kk + 1}")
-        # Pull-KV stages 1..T-1: every non-local query against K/V of machine t'.
+        # Pull-KV stages 1..T-1: every query against K/V of machine t' (the local queries
+        # too, except against the last block: theirs is the work that hides Push-O).
         for kk in range(1, T):
             tp = (t - kk) % T
             _wait(EKV[kk])
             io.barrier_ring(what=f"Pull-KV stage {kk}")
             if kk < T - 1:
-                io.ring(remote_q, remote_st, tp, scale=scale, what=f"Pull-KV stage {kk}")
+                io.ring(Q[t] + remote_q, st[t] + remote_st, tp, scale=scale,
+                        what=f"Pull-KV stage {kk}")
         # ... the last one block by block (text queries with the first): each remote output
         # is final after its block and leaves at once (Push-O) while the next one computes.
         O = io.O  # [T, U, B, h, S + Tj, D]
@@ -112,9 +117,9 @@ class TorusAttention:
             io.push_o(kk)
         if T == 1:
             finish_text()
-        # Push-O: local queries against the remote K/V while the remote outputs travel.
-        for tp in others:
-            io.ring(Q[t], st[t], tp, scale=scale, what="Push-O")
+        # Push-O: local queries against the last K/V block while the remote outputs travel.
+        if T > 1:
+            io.ring(Q[t], st[t], (t + 1) % T, scale=scale, what="Push-O")
         attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O[t, :, :, :, :S].unbind(0)))
         io.push_o(0)
         Ob = io.stage_out()
