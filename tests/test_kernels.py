@@ -99,6 +99,24 @@ def test_cpu_matches_reference(dtype, D, B, H):
             assert_matches(o, s.lse(), *reference(q, kv_chunks, scale), TOL[dtype])
 
 
+@pytest.mark.parametrize("lengths,groups", [([512] * 4, [1024, 1024]), ([512] * 3, [1536]),
+                                            ([100] * 10, [1000]), ([800, 1, 900], [800, 901]),
+                                            ([2000], [2000])])
+def test_cpu_query_chunks_joined_into_big_tile_groups(lengths, groups):
+    from xfuser_swiftfusion.kernels import cpu
+    work = [(torch.empty(1, 1, n, 8), None) for n in lengths]
+    assert [sum(q.shape[2] for q, _ in g) for g in cpu._groups(work)] == groups
+
+
+def test_cpu_matches_reference_across_query_groups():
+    torch.manual_seed(7)
+    q_chunks = [torch.randn(1, 2, n, 32) for n in (400, 500, 300, 700)]  # groups 900 + 1000
+    kv_chunks = [(torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32)) for n in (300, 200)]
+    outs, states = run_in_calls(q_chunks, kv_chunks, 32**-0.5, random.Random(1), use_out=False)
+    for q, o, s in zip(q_chunks, outs, states):
+        assert_matches(o, s.lse(), *reference(q, kv_chunks, 32**-0.5), TOL[torch.float32])
+
+
 def test_no_keys_gives_zero_output_and_minus_inf_lse():
     q = torch.randn(2, 3, 5, 32)
     s = new_state(q)

@@ -1,12 +1,12 @@
 """CPU backend: torch's fused CPU flash attention (returns an LSE) plus an in-place merge.
 
-Per call, the KV chunks are concatenated into one contiguous K/V and the Q chunks into one
-contiguous Q (copies of O(L * D), cheap next to the O(Lq * Lk * D) attention), so a call is
-ONE attention op followed by one merge per Q chunk, whatever the numbers of chunks. Besides
-the per-op overhead this matters for speed: the op tiles queries by 256 rows only when
-Lq >= 768 (64 below), so 512-row chunks run at ~57 GFLOP/s and their concatenation at ~78
-on one Zen 4 core (BENCHMARKS.md, "Kernels (CPU)"). It also rounds the low-precision
-partial output only once per call.
+Per call, the KV chunks are concatenated into one contiguous K/V, and consecutive Q chunks
+into groups of at least ``BIG_TILE_ROWS`` rows (copies of O(L * D), cheap next to the
+O(Lq * Lk * D) attention): one attention op per group, then one merge per Q chunk. This
+matters for speed: the op tiles queries by 256 rows only when Lq >= 768 (64 below), so
+512-row chunks run at ~57 GFLOP/s and their concatenation at ~78 on one Zen 4 core
+(BENCHMARKS.md, "Kernels (CPU)"). Joining no more than that keeps the transient copy and
+output of a many-chunk call to about one group's size.
 
 ``_scaled_dot_product_flash_attention_for_cpu`` (torch 2.13) crashes the process (SIGFPE) on
 Lq = 0 or Lk = 0: empty chunks never reach it.
@@ -20,6 +20,7 @@ import torch
 from .state import AttnState, merge_partial_
 
 _sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+BIG_TILE_ROWS = 768  # from this query length on the op tiles queries by 256 rows (64 below)
 
 
 def _joined(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -41,9 +42,23 @@ def attend_cpu(
         return
     k = _joined([k for k, _ in kv_chunks])  # [B, H, sum Lk_j, D]
     v = _joined([v for _, v in kv_chunks])  # [B, H, sum Lk_j, D]
-    q = _joined([q for q, _ in work])       # [B, H, sum Lq_i, D]
-    out, lse = _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
-    lengths = [c.shape[2] for c, _ in work]
-    # [B, H, sum Lq_i, D] -> chunk i's rows [B, H, Lq_i, D] (views)
-    for (_, state), o, l in zip(work, out.split(lengths, dim=2), lse.split(lengths, dim=2)):
-        merge_partial_(state, o, l)
+    for group in _groups(work):
+        q = _joined([q for q, _ in group])  # [B, H, sum Lq_i, D]
+        out, lse = _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        lengths = [c.shape[2] for c, _ in group]
+        # [B, H, sum Lq_i, D] -> chunk i's rows [B, H, Lq_i, D] (views)
+        for (_, state), o, l in zip(group, out.split(lengths, dim=2), lse.split(lengths, dim=2)):
+            merge_partial_(state, o, l)
+
+
+def _groups(work: list) -> list[list]:
+    """Consecutive (Q chunk, state) pairs; a group is closed once it has ``BIG_TILE_ROWS`` rows
+    and so have the chunks left (no short group at the end)."""
+    groups, rows, left = [[]], 0, sum(q.shape[2] for q, _ in work)
+    for item in work:
+        if rows >= BIG_TILE_ROWS and left >= BIG_TILE_ROWS:
+            groups.append([])
+            rows = 0
+        groups[-1].append(item)
+        rows, left = rows + item[0].shape[2], left - item[0].shape[2]
+    return groups
