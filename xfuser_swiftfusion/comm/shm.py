@@ -46,6 +46,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -139,7 +140,7 @@ class _CopyQueue:
         self._thread.join(timeout=5.0)
 
 
-def _shutdown(queues: dict[str, _CopyQueue], control: torch.Tensor, proxy: Proxy | None) -> None:
+def _shutdown(queues: dict[str, _CopyQueue], control: np.ndarray, proxy: Proxy | None) -> None:
     for q in queues.values():
         q.stop()
     if proxy is not None:
@@ -202,10 +203,11 @@ class ShmCommunicator(OneSided):
         self._storages: dict[int, torch.UntypedStorage] = {}  # mine by buffer id (for the proxy)
         self._count = 0
         self._heap_bytes = 0
-        self._control = self._map_all((1 + self.world_size,), torch.int64)
+        # [pid, barriers entered with rank 0, 1, ...] per rank; numpy views (they keep the
+        # mapping alive): a barrier polls them, and torch indexing costs ~30x as much
+        self._control = [c.numpy() if c is not None else None
+                         for c in self._map_all((1 + self.world_size,), torch.int64)]
         self._control[self.rank][0] = os.getpid()
-        # numpy views of the same words: a barrier polls them, and torch indexing costs ~30x
-        self._control_np = [c.numpy() if c is not None else None for c in self._control]
         self._proxy = self._start_proxy(hosts)
         dist.barrier()  # every pid is written before anyone can wait on a peer
         self._queues = {q: _CopyQueue(f"sf-shm-r{self.rank}-{q}") for q in QUEUES}
@@ -381,9 +383,9 @@ class ShmCommunicator(OneSided):
 
     def _arrived(self, peer: int) -> int:
         """How many barriers including me ``peer`` has entered."""
-        if self._control_np[peer] is None:
+        if self._control[peer] is None:
             return self._proxy.arrived(peer)
-        return int(self._control_np[peer][1 + self.rank])
+        return int(self._control[peer][1 + self.rank])
 
     def barrier_all(self, *, what: str) -> None:
         self.barrier(tuple(range(self.world_size)), what=what)
