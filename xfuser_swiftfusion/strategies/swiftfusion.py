@@ -81,7 +81,7 @@ class OneSidedTorusIO:
 
         def gather_pull(names: tuple[str, ...], kk: int, what: str) -> list[Handle]:
             tp = (t - kk) % T
-            return [self.comm.get(b_[dst][kk - 1, b], b_[src][t, u], self._peer(tp, b),
+            return [self.comm.get(b_[dst][self._slot(tp), b], b_[src][t, u], self._peer(tp, b),
                                   queue="other", what=f"{what}, {dst} from rank {self._peer(tp, b)}")
                     for dst, src in names for b in range(U)]
 
