@@ -168,16 +168,18 @@ def reference(q, k, v) -> torch.Tensor:
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
 
 
-def warm_up(ctxs: dict[str, object], strategies: list[str], pt: dict) -> None:
-    """Build every strategy's context for ``pt``'s heads (usp first: xFuser's USP state exists
-    once per process, at usp's default degrees; auto then may pick usp only at those degrees,
-    as inside an xFuser run) and run it twice on 8 tokens per rank: the process's one-time
-    costs are paid before any peak is measured."""
+def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
+    """Every strategy's context for ``pt``'s heads (usp first: xFuser's USP state exists once
+    per process, at usp's default degrees; auto then may pick usp only at those degrees, as
+    inside an xFuser run), each run twice on 8 tokens per rank: the process's one-time costs
+    are paid before any peak is measured."""
     x = torch.randn(1, pt["H"], 8, pt["D"]).to(DT[pt["dtype"]])
+    ctxs = {}
     for s in sorted(strategies, key=lambda s: s != "usp"):
         ctxs[s] = ctx = sf.init_sequence_parallel(s, pt["H"], timeout_s=600)
         for _ in range(2):
             ctx.attention(x, x, x)
+    return ctxs
 
 
 def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool) -> list[dict]:
@@ -185,8 +187,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
     rank, world = dist.get_rank(), dist.get_world_size()
     net = current_network()
     rows = []
-    ctxs: dict[str, object] = {}
-    warm_up(ctxs, strategies, points[0])
+    ctxs = warm_up(strategies, points[0])
     for pt in points:
         B, L, H, D, dt = pt["B"], pt["L"], pt["H"], pt["D"], pt["dtype"]
         g = torch.Generator().manual_seed(hash((B, L, H, D)) % 2**31)
