@@ -194,3 +194,42 @@ def _inference_mode_rank():
 
 def test_swiftfusion_under_inference_mode():
     assert max(run_emulated(_inference_mode_rank, "2x2", timeout_s=120)) <= 1e-5
+
+
+# --- outputs are the caller's: the next call must not change them ---------------------------
+
+def _two_calls_rank(strategies):
+    """Every strategy called twice (different inputs, B = 1, with and without text tokens);
+    both outputs checked after the second call. Returns [(strategy, Tj, err1, err2)]."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, S, D = 8, 8, 16
+    mine = slice(rank * S, (rank + 1) * S)
+    rows = []
+    for name in strategies:
+        ctx = sf.init_sequence_parallel(name, H, timeout_s=60)
+        try:
+            for Tj in (0, 3):
+                g = torch.Generator().manual_seed(Tj)
+                ins = [[torch.randn(1, H, n, D, generator=g) for n in (S * world,) * 3 + (Tj,) * 3]
+                       for _ in range(2)]
+                outs = []
+                for q, k, v, jq, jk, jv in ins:
+                    joint = dict(joint_query=jq, joint_key=jk, joint_value=jv,
+                                 joint_strategy="rear") if Tj else {}
+                    outs.append(ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **joint))
+                errs = [(o.double() - reference(q[:, :, mine], k, v, *((jq, jk, jv) if Tj else ()),
+                                                where="rear")).abs().max().item()
+                        for o, (q, k, v, jq, jk, jv) in zip(outs, ins)]
+                rows.append((name, Tj, *errs))
+        finally:
+            ctx.close()
+    return rows
+
+
+def test_outputs_stay_valid_after_the_next_call():
+    """torus/swiftfusion keep their receive buffers across calls: the output must not be a
+    view of one (at B = 1 without text rows a permute-reshape of it would be)."""
+    for rank, rows in enumerate(run_emulated(_two_calls_rank, "2x2", STRATS + ("auto",), timeout_s=300)):
+        for name, Tj, err1, err2 in rows:
+            assert err2 <= 1e-5, f"rank {rank} {name} Tj={Tj}: second call err {err2:.2e}"
+            assert err1 <= 1e-5, f"rank {rank} {name} Tj={Tj}: first output changed by the second call (err {err1:.2e})"

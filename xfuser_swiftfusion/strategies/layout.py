@@ -95,18 +95,22 @@ def split_heads(x: torch.Tensor, *groups: int) -> torch.Tensor:
     return y.permute(*range(1, n + 1), 0, n + 1, n + 2, n + 3)
 
 
-def merge_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[*groups, B, h, S, D] -> [B, H, S, D]`` (a new contiguous tensor); ``groups`` = ndim - 4."""
-    n = groups
-    # [*groups, B, h, S, D] -> [B, *groups, h, S, D] -> [B, H, S, D]
-    y = x.permute(n, *range(n), n + 1, n + 2, n + 3)
-    B, S, D = y.shape[0], y.shape[-2], y.shape[-1]
-    return y.reshape(B, -1, S, D)
+def gather_output(o: torch.Tensor, S: int, joint: Joint | None) -> torch.Tensor:
+    """``[*groups, B, h, S + Tj, D]`` (image rows, then text rows) -> ``[B, H, S (+ Tj), D]``
+    with the text rows first or last as ``joint.strategy`` says (USP's output layout).
 
-
-def assemble(out_img: torch.Tensor, out_txt: torch.Tensor | None, joint: Joint | None) -> torch.Tensor:
-    """Concatenate image rows ``[B, H, S, D]`` and text rows ``[B, H, Tj, D]`` as USP does."""
-    if joint is None:
-        return out_img
-    parts = (out_txt, out_img) if joint.strategy == "front" else (out_img, out_txt)
-    return torch.cat(parts, dim=2)
+    Always a new tensor, written once: callers may keep it while ``o`` (often a buffer the
+    next call rewrites) changes.
+    """
+    n = o.dim() - 4
+    # [*groups, B, h, S + Tj, D] -> [B, *groups, h, S + Tj, D]
+    y = o.permute(n, *range(n), n + 1, n + 2, n + 3)
+    Tj = o.shape[-2] - S
+    out = torch.empty(y.shape, dtype=o.dtype, device=o.device)
+    front = joint is not None and joint.strategy == "front"
+    img, txt = (slice(Tj, None), slice(0, Tj)) if front else (slice(0, S), slice(S, None))
+    out[..., img, :] = y[..., :S, :]
+    if Tj:
+        out[..., txt, :] = y[..., S:, :]
+    B, D = out.shape[0], out.shape[-1]
+    return out.view(B, -1, S + Tj, D)  # [B, *groups, h, S + Tj, D] -> [B, H, S + Tj, D]

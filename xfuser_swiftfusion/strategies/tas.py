@@ -15,7 +15,7 @@ import torch
 from ..comm.base import TwoSided
 from ..kernels import attend, new_state
 from ..topology import Mesh
-from .layout import Joint, assemble, merge_heads, split_heads
+from .layout import Joint, gather_output, split_heads
 from .ring import PassRing
 
 
@@ -54,10 +54,7 @@ class TasAttention:
             (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
             O[:, :, :, S:] = txt  # [B, h, Tj, D] broadcast into every slot
         Ob = self._all_to_all(O, "Ulysses all-to-all O")
-        # [G, B, h, S + Tj, D] -> [B, H, S (+ Tj), D]
-        out_img = merge_heads(Ob[:, :, :, :S], 1)
-        out_txt = merge_heads(Ob[:, :, :, S:], 1) if joint is not None else None
-        return assemble(out_img, out_txt, joint)
+        return gather_output(Ob, S, joint)  # [G, B, h, S + Tj, D] -> [B, H, S + Tj, D]
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -26,7 +26,7 @@ import torch
 from ..comm.base import Handle, TwoSided
 from ..kernels import AttnState, attend, new_state
 from ..topology import Mesh
-from .layout import Joint, assemble, merge_heads, split_heads
+from .layout import Joint, gather_output, split_heads
 from .ring import PassRing
 
 
@@ -123,10 +123,7 @@ class TorusAttention:
         attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O[t, :, :, :, :S].unbind(0)))
         io.push_o(0)
         Ob = io.stage_out()
-        # [T, U, B, h, S + Tj, D] -> [B, H, S (+ Tj), D]
-        out_img = merge_heads(Ob[..., :S, :], 2)
-        out_txt = merge_heads(Ob[..., S:, :], 2) if joint is not None else None
-        return assemble(out_img, out_txt, joint)
+        return gather_output(Ob, S, joint)  # [T, U, B, h, S + Tj, D] -> [B, H, S + Tj, D]
 
     def heap_bytes(self) -> int:
         return self.io.heap_bytes()
