@@ -90,10 +90,11 @@ def _measure(reps: int) -> dict:
     gloo_bw = big.numel() * 4 / max(_timed(lambda: ex(big, rbig), reps) - gloo_lat, 1e-9)
 
     one = make_one_sided("shm", rank=rank, world_size=world, node_of=node_of, timeout_s=60)
-    sbig, stiny = one.symmetric_empty((1 << 20,), torch.float32), one.symmetric_empty((1,), torch.float32)
-    get = lambda d, s: one.get(d, s, peer, queue="other", what="calibrate").wait()  # noqa: E731
-    shm_lat = _timed(lambda: get(rtiny, stiny), reps)
-    shm_bw = big.numel() * 4 / max(_timed(lambda: get(rbig, sbig), reps) - shm_lat, 1e-9)
+    # [source, destination] per size: across machines both sides of a get are symmetric
+    sbig, stiny = one.symmetric_empty((2, 1 << 20), torch.float32), one.symmetric_empty((2, 1), torch.float32)
+    get = lambda x: one.get(x[1], x[0], peer, queue="other", what="calibrate").wait()  # noqa: E731
+    shm_lat = _timed(lambda: get(stiny), reps)
+    shm_bw = big.numel() * 4 / max(_timed(lambda: get(sbig), reps) - shm_lat, 1e-9)
     barrier = _timed(lambda: one.barrier_all(what="calibrate"), reps)
     x16 = torch.randn(4 << 20)
     y16 = torch.empty_like(x16)
@@ -137,7 +138,7 @@ def _link_probe(reps: int, rate_mbit: float) -> dict:
     one = make_one_sided("shm", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
     two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
     src = one.symmetric_empty((n,), torch.bfloat16)
-    dst = [torch.empty(n, dtype=torch.bfloat16) for _ in ks]
+    dst = one.symmetric_empty((len(ks), n), torch.bfloat16).unbind(0)  # symmetric: across machines
     send = torch.randn(n).to(torch.bfloat16)
     q = torch.randn(1, 4, 1024, 64).to(torch.bfloat16)
 

@@ -40,8 +40,8 @@ def _rank(mib: int, reps: int) -> dict:
     plain = make_two_sided("p2p", directional=False, **kw)
     directional = make_two_sided("p2p", directional=True, **kw)
     one = make_one_sided("shm", **kw)
-    sym = one.symmetric_empty((n,), torch.float32)
-    sym.fill_(float(me))
+    sym, got = (one.symmetric_empty((n,), torch.float32) for _ in range(2))  # got: across machines
+    sym.fill_(float(me))                                                  # gets need it symmetric
     send, recv = torch.full((n,), float(me)), torch.empty(n)
     one.barrier_all(what="ready")
     before = qdisc_bytes(current_network()) if me == 0 else None
@@ -59,9 +59,9 @@ def _rank(mib: int, reps: int) -> dict:
             comm.exchange([(send, other)], [(recv, other)], what=way).wait()
         elif way == "proxy get 0<-1":
             if me == 0:
-                one.get(recv, sym, 1, queue="other", what=way).wait()
+                one.get(got, sym, 1, queue="other", what=way).wait()
         else:
-            one.get(recv, sym, other, queue="other", what=way).wait()
+            one.get(got, sym, other, queue="other", what=way).wait()
 
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for _ in range(reps):

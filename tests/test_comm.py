@@ -66,21 +66,27 @@ def _shm_put_get() -> dict:
     with _one_sided() as comm:
         buf = comm.symmetric_empty((W, 4, 6), torch.float64)
         src = comm.symmetric_empty((5, 4), torch.float64)
+        loc = comm.symmetric_empty((3, 6), torch.float64)  # local sides (symmetric: across machines)
         buf.fill_(-1)
         src.copy_(_pattern((5, 4), me, me))
         comm.barrier_all(what="init")
         left_after_alloc = _our_shm_files(comm.prefix)
         a, b = (me + 1) % W, (me + 2) % W
+        loc[0].copy_(_pattern((6,), me, a))
+        loc[1].copy_(_pattern((6,), me, b))
         # non-contiguous slice on "other", contiguous row on "ring"
-        h1 = comm.put(buf[me, 1:3, ::2], _pattern((2, 3), me, a), a, queue="other", what="put-a")
-        h2 = comm.put(buf[me, 0], _pattern((6,), me, b), b, queue="ring", what="put-b")
-        # get a strided block of peer c's src into a transposed (non-contiguous) local view
-        c = (me + 3) % W
+        h1 = comm.put(buf[me, 1:3, ::2], loc[0].view(2, 3), a, queue="other", what="put-a")
+        h2 = comm.put(buf[me, 0], loc[1], b, queue="ring", what="put-b")
+        # get a strided block of peer c's src (any machine) into a symmetric local view, and of
+        # my machine-mate m's src into a transposed plain tensor (allowed within a machine)
+        c, m = (me + 3) % W, me ^ 1
+        h3 = comm.get(loc[2].view(3, 2), src[::2, 1:3], c, queue="other", what="get-c")
         local = torch.zeros(2, 3, dtype=torch.float64).t()
-        h3 = comm.get(local, src[::2, 1:3], c, queue="other", what="get-c")
-        for h in (h1, h2, h3):
+        h4 = comm.get(local, src[::2, 1:3], m, queue="other", what="get-m")
+        for h in (h1, h2, h3, h4):
             h.wait()
-        got_ok = torch.equal(local, _pattern((5, 4), c, c)[::2, 1:3])
+        got_ok = (torch.equal(loc[2].view(3, 2), _pattern((5, 4), c, c)[::2, 1:3])
+                  and torch.equal(local, _pattern((5, 4), m, m)[::2, 1:3]))
         comm.barrier_all(what="after puts")
         expected = torch.full((W, 4, 6), -1.0, dtype=torch.float64)
         for s in range(W):
@@ -91,20 +97,21 @@ def _shm_put_get() -> dict:
         buf_ok = torch.equal(buf, expected)
         comm.barrier_all(what="checked")  # nobody writes into buf before everyone checked
         counts = (comm.counter.intra_node_bytes, comm.counter.inter_node_bytes, comm.counter.messages)
-        exp_counts = (*_intra_inter(me, [(a, 6 * 8), (b, 6 * 8), (c, 6 * 8)]), 3)
+        exp_counts = (*_intra_inter(me, [(a, 6 * 8), (b, 6 * 8), (c, 6 * 8), (m, 6 * 8)]), 4)
         # FIFO per queue: a large put then a tiny get of its last element from the same peer
         # location on one queue, nothing waited in between: every get sees its own put.
         big = comm.symmetric_empty((W, 2, 1 << 19), torch.float64)  # one slot per queue
+        vals = comm.symmetric_empty((6, 1 << 19), torch.float64)
+        outs = comm.symmetric_empty((6, 1), torch.float64)
         comm.barrier_all(what="big")
-        outs, handles = [], []
+        handles = []
         for i, (k, queue) in enumerate([(0, "ring"), (1, "other")] * 3):
-            val = torch.full((1 << 19,), float(i * 10 + me), dtype=torch.float64)
-            handles.append(comm.put(big[me, k], val, a, queue=queue, what="fifo put"))
-            outs.append(torch.empty(1, dtype=torch.float64))
-            handles.append(comm.get(outs[-1], big[me, k, -1:], a, queue=queue, what="fifo get"))
+            vals[i].fill_(float(i * 10 + me))
+            handles.append(comm.put(big[me, k], vals[i], a, queue=queue, what="fifo put"))
+            handles.append(comm.get(outs[i], big[me, k, -1:], a, queue=queue, what="fifo get"))
         for h in handles:
             h.wait()
-        fifo_ok = [o.item() for o in outs] == [float(i * 10 + me) for i in range(len(outs))]
+        fifo_ok = outs[:, 0].tolist() == [float(i * 10 + me) for i in range(6)]
         heap = comm.symmetric_heap_bytes()
         comm.barrier_all(what="done")  # nobody closes while a peer still transfers to it
         return {"buf_ok": buf_ok, "get_ok": got_ok, "counts": counts,
@@ -120,11 +127,11 @@ def test_shm_put_get_slices_queues_fifo_and_counters():
         assert res["get_ok"], f"rank {r}: get returned wrong data"
         assert res["fifo_ok"], f"rank {r}: queue is not FIFO"
         assert res["counts"] == res["exp_counts"], r
-        assert res["heap"] == (W * 4 * 6 + 5 * 4 + W * 2 * (1 << 19)) * 8
+        assert res["heap"] == (W * 4 * 6 + 5 * 4 + 3 * 6 + W * 2 * (1 << 19) + 6 * (1 << 19) + 6) * 8
         assert res["left_after_alloc"] == []
     assert {res["prefix"] for res in results} == {results[0]["prefix"]}
-    # rank 0: a=1 (intra), b=2 (inter), c=3 (inter); rank 1: a=2, b=3, c=0 (intra)
-    assert results[0]["counts"][:2] == (48, 96) and results[1]["counts"][:2] == (48, 96)
+    # rank 0: a=1 (intra), b=2 (inter), c=3 (inter), m=1; rank 1: a=2, b=3, c=0 (intra), m=0
+    assert results[0]["counts"][:2] == (96, 96) and results[1]["counts"][:2] == (96, 96)
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(results[0]["prefix"])]
 
 
@@ -216,6 +223,32 @@ def test_shm_rejects_invalid_transfers():
     assert "peer 4" in errors[3]
     assert "not in barrier group" in errors[4]
     assert "closed" in errors[5]
+
+
+def _shm_inter_machine_local_side() -> list[str]:
+    """2x1: the peer is on the other machine, so the local side must be a contiguous
+    symmetric view (NVSHMEM over InfiniBand/EFA needs it registered)."""
+    out = []
+    with _one_sided() as comm:
+        buf = comm.symmetric_empty((4, 4), torch.float32)
+        peer = 1 - dist.get_rank()
+        for call in (lambda: comm.put(buf[0], torch.zeros(4), peer, queue="other", what="x"),
+                     lambda: comm.get(torch.zeros(4), buf[0], peer, queue="other", what="x"),
+                     lambda: comm.get(buf[:, 1], buf[0], peer, queue="other", what="x"),
+                     lambda: comm.get(buf[1], buf[0], peer, queue="other", what="x").wait()):
+            try:
+                call()
+                out.append("accepted")
+            except ValueError as exc:
+                out.append(str(exc))
+        comm.barrier_all(what="end")
+    return out
+
+
+def test_shm_inter_machine_transfers_need_a_symmetric_local_side():
+    for errors in run_emulated(_shm_inter_machine_local_side, "2x1", timeout_s=60):
+        assert all("another machine" in e and "symmetric" in e for e in errors[:3]), errors
+        assert errors[3] == "accepted"
 
 
 # -- shm: barriers -------------------------------------------------------------------------

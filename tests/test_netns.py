@@ -77,10 +77,11 @@ def _throttled_rank() -> dict:
     n = 64 * KIB  # floats per chunk: 256 KiB
     buf = one.symmetric_empty((W, n), torch.float32)      # slot s: what rank s put here
     src = one.symmetric_empty((2 * n,), torch.float32)    # what peers get from me
+    loc = one.symmetric_empty((2, n), torch.float32)      # my side of put/get across machines
     src.copy_(torch.cat([_pattern(n, me, me, 1), _pattern(n, me, me, 2)]))
     buf.fill_(-1)
     one.barrier_all(what="init")
-    got = torch.zeros(n // 2, 2).t()                      # non-contiguous local target
+    got = loc[1].view(2, n // 2)                          # symmetric local target
 
     def inter_body() -> tuple[int, int]:
         c0 = (one.counter.inter_node_bytes + two.counter.inter_node_bytes,
@@ -90,7 +91,8 @@ def _throttled_rank() -> dict:
         two.all_to_all(out, inp, tuple(range(W)), what="a2a")
         res["a2a_ok"] = torch.equal(out, torch.cat([_pattern(n, s, me) for s in range(W)]))
         put_to, get_from = other_machine[0], other_machine[1]
-        hs = [one.put(buf[me], _pattern(n, me, put_to), put_to, queue="other", what="put"),
+        loc[0].copy_(_pattern(n, me, put_to))
+        hs = [one.put(buf[me], loc[0], put_to, queue="other", what="put"),
               one.get(got, src[1::2].view(2, n // 2), get_from, queue="ring", what="get")]
         for h in hs:
             h.wait()
@@ -135,7 +137,7 @@ def _throttled_rank() -> dict:
                 two.exchange([(torch.ones(k), 2)], [], what="timed send").wait()
                 two.exchange([], [(torch.empty(1), 2)], what="timed ack").wait()
             else:
-                one.get(torch.empty(2, m), one_big[:2], 2, queue="other", what="timed get").wait()
+                one.get(one_big[2:], one_big[:2], 2, queue="other", what="timed get").wait()
             res["timings"][kind] = (time.perf_counter() - t0, k * 4)
         elif me == 2 and kind == "gloo":
             two.exchange([], [(torch.empty(k), 0)], what="timed recv").wait()
@@ -186,7 +188,7 @@ def _killed_rank(prefix_file: str) -> None:
         with open(prefix_file, "w") as f:
             f.write(f"{current_network().prefix}\n{one.prefix}")
     if me == 3:
-        one.put(buf, torch.ones(1024), 0, queue="other", what="Push-O").wait()
+        one.put(buf, buf.fill_(1.0), 0, queue="other", what="Push-O").wait()
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:

@@ -5,8 +5,10 @@ Two families share one byte accounting:
 - ``OneSided`` (``shm`` on CPU, ``nvshmem`` on GPU): symmetric buffers allocated
   collectively (same shape/dtype/order on every rank of the communicator), ``put`` of a
   local tensor into a peer's copy of a symmetric buffer, ``get`` of a peer's copy into a
-  local tensor, both asynchronous on a named queue (``"ring"`` or ``"other"``; a CUDA stream
-  on GPU, a copy thread on CPU) and completed by ``Handle.wait``. ``barrier_all`` and
+  local tensor (across machines the local tensor must be symmetric too: NVSHMEM's
+  InfiniBand/EFA transports need registered memory), both asynchronous on a named queue
+  (``"ring"`` or ``"other"``; a CUDA stream on GPU, a copy thread on CPU) and completed by
+  ``Handle.wait``. ``barrier_all`` and
   ``barrier(ranks)`` also complete every transfer the caller issued before them (quiet),
   so data put before a barrier is visible to its target after the barrier; ``sync(ranks)``
   is the rendezvous alone (NVSHMEM's team sync): transfers still in flight stay in flight,
@@ -139,8 +141,11 @@ class OneSided(Communicator):
         """Collective over all ranks (same list everywhere): declare every group later passed
         to ``barrier``. Backends needing per-group state (NVSHMEM teams) build it here."""
 
+    _buffers: "SymmetricBuffers"  # every backend registers its symmetric buffers here
+
     def check_transfer(self, sym: torch.Tensor, local: torch.Tensor, peer: int, queue: str) -> None:
-        """Validate a put/get before it is queued (shared by every backend)."""
+        """Validate a put/get before it is queued (shared by every backend). Within a machine
+        the local side may be any tensor; across machines it must be symmetric too."""
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}; expected one of {QUEUES}")
         if not 0 <= peer < self.world_size:
@@ -148,6 +153,12 @@ class OneSided(Communicator):
         if sym.shape != local.shape or sym.dtype != local.dtype:
             raise ValueError(f"put/get needs equal shape and dtype, got symmetric "
                              f"{tuple(sym.shape)} {sym.dtype} and local {tuple(local.shape)} {local.dtype}")
+        if self.node_of[peer] != self.node_of[self.rank] and not (
+                local.is_contiguous() and self._buffers.holds(local)):
+            raise ValueError(f"rank {self.rank}: the local side of a put/get with rank {peer} on "
+                             "another machine must be a contiguous view of a symmetric buffer: "
+                             "NVSHMEM's inter-machine transports (InfiniBand, EFA) need registered "
+                             "memory there; allocate it with symmetric_empty")
 
 
 class SymmetricBuffers:
@@ -159,6 +170,9 @@ class SymmetricBuffers:
 
     def add(self, buffer: torch.Tensor, entry: Any) -> None:
         self._entries[buffer.untyped_storage().data_ptr()] = entry
+
+    def holds(self, view: torch.Tensor) -> bool:
+        return view.untyped_storage().data_ptr() in self._entries
 
     def lookup(self, view: torch.Tensor) -> Any:
         try:

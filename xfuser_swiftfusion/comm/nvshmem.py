@@ -8,15 +8,16 @@ Symmetric buffers are ``nvshmem.core.tensor``; a view of one is addressed by its
 address (symmetric addresses are valid on every PE). ``put``/``get`` decompose that view into
 contiguous byte runs and issue ``nvshmemx_{put,get}mem_on_stream`` per run on the queue's
 CUDA stream (``"ring"`` or ``"other"``), after the current stream; a non-contiguous local side
-is staged through a contiguous temporary on the same stream. A handle is a CUDA event on that
+(only allowed within a machine) is staged through a contiguous temporary on the same stream. A handle is a CUDA event on that
 stream: ``wait`` polls it against the timeout, then orders the current stream after it.
 Barriers run on a third stream after both queues and the current stream (NVSHMEM barriers
 also complete every transfer this PE issued), a ``sync`` after the current stream only; groups
 are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
 symmetric tensor and team in creation order, then finalizes NVSHMEM.
 
-Over InfiniBand NVSHMEM needs the local side of an RMA to be registered memory: pass views of
-symmetric buffers on both sides (the strategies do), not arbitrary tensors.
+Over InfiniBand/EFA NVSHMEM needs the local side of an RMA to be registered memory (an
+unregistered source fails in the proxy with IBV_WC_LOC_PROT_ERR): ``check_transfer`` refuses
+a local side with a peer on another machine unless it is a contiguous symmetric view.
 
 nvshmem4py is imported lazily: this module imports without it and without a GPU.
 """

@@ -1,12 +1,13 @@
 """``swiftfusion``: the Torus schedule over one-sided put/get (paper Algorithm 1).
 
 Symmetric buffers on every rank: staging ``Qb, Kb, Vb`` ``[T, U, B, h, S, D]``, pulled
-working ``K, V`` ``[T-1, U, B, h, S, D]`` (ring peers read them), and ``Ob``
-``[T, U, B, h, S + Tj, D]``. Local: pulled ``Q`` ``[T-1, ...]`` and the outputs ``O``
-``[T, ...]``. Slot ``[t, :]`` of ``Qb/Kb/Vb`` is the local working slot (it is only written by
-the intra-machine scatter); pulled blocks are stored by stage, machine ``(t - k) % T`` in slot
+``Q, K, V`` ``[T-1, U, B, h, S, D]``, outputs ``O`` and ``Ob`` ``[T, U, B, h, S + Tj, D]``.
+Slot ``[t, :]`` of ``Qb/Kb/Vb`` is the local working slot (it is only written by the
+intra-machine scatter); pulled blocks are stored by stage, machine ``(t - k) % T`` in slot
 ``k - 1`` (the same slot on every ring peer, which shares ``t``). So Q, K and V each have
-(T-1)/T of an extra copy besides their staging buffer, O one.
+(T-1)/T of an extra copy besides their staging buffer, O one. Pulled K/V are symmetric
+because ring peers read them; pulled Q (a get's destination) and O (a put's source) because
+NVSHMEM's inter-machine transports need the local side of a transfer registered too.
 
 Synchronisation: one ``barrier_all`` after the intra-machine scatter, one at the end of the
 layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
@@ -54,12 +55,11 @@ class OneSidedTorusIO:
         key = (tuple(q.shape), q.dtype, out_len)
         if key not in self._buffers:
             shape = lambda m, n: (m, U, B, H // (T * U), n, D)  # noqa: E731
-            pulled = ("K", "V") if T > 1 else ()  # one machine: nothing to pull
-            sym = {n: self.comm.symmetric_empty(shape(T, S), q.dtype) for n in ("Qb", "Kb", "Vb")}
-            sym |= {n: self.comm.symmetric_empty(shape(T - 1, S), q.dtype) for n in pulled}
-            sym["Ob"] = self.comm.symmetric_empty(shape(T, out_len), q.dtype)
-            local = {"Q": q.new_empty(shape(T - 1, S)), "O": q.new_empty(shape(T, out_len))}
-            self._buffers[key] = sym | local
+            pulled = ("Q", "K", "V") if T > 1 else ()  # one machine: nothing to pull
+            buf = {n: self.comm.symmetric_empty(shape(T, S), q.dtype) for n in ("Qb", "Kb", "Vb")}
+            buf |= {n: self.comm.symmetric_empty(shape(T - 1, S), q.dtype) for n in pulled}
+            buf |= {n: self.comm.symmetric_empty(shape(T, out_len), q.dtype) for n in ("O", "Ob")}
+            self._buffers[key] = buf
         return self._buffers[key]
 
     def stage_in(self, q, k, v, out_len):
