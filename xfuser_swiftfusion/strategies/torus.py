@@ -63,10 +63,15 @@ class TorusAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float) -> torch.Tensor:
-        io, T, U, t = self.io, self.mesh.torus, self.mesh.ulysses_intra, self.t
         S = q.shape[2]
-        Tj = joint.length if joint is not None else 0
-        io.stage_in(q, k, v, S + Tj)                                   # steps 1-2
+        self.io.stage_in(q, k, v, S + (joint.length if joint is not None else 0))  # steps 1-2
+        self._stages(S, joint, scale)  # the running states live only in there, so they are
+        # freed before the output is allocated and the two don't add up in the peak
+        return gather_output(self.io.stage_out(), S, joint)  # [T, U, B, h, S + Tj, D] -> [B, H, S + Tj, D]
+
+    def _stages(self, S: int, joint: Joint | None, scale: float) -> None:
+        """Steps 3-7: every transfer issued, the Pull-Q, Pull-KV and Push-O stages."""
+        io, T, U, t = self.io, self.mesh.torus, self.mesh.ulysses_intra, self.t
         EQ, EKV = io.issue_pulls()                                     # step 3
         Q = {a: list(io.q_block(a).unbind(0)) for a in range(T)}      # U chunks [B, h, S, D] per a
         st = {a: [new_state(c) for c in Q[a]] for a in range(T)}
@@ -122,8 +127,6 @@ class TorusAttention:
             io.ring(Q[t], st[t], (t + 1) % T, scale=scale, what="Push-O")
         attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O[t, :, :, :, :S].unbind(0)))
         io.push_o(0)
-        Ob = io.stage_out()
-        return gather_output(Ob, S, joint)  # [T, U, B, h, S + Tj, D] -> [B, H, S + Tj, D]
 
     def heap_bytes(self) -> int:
         return self.io.heap_bytes()
