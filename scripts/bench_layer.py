@@ -1,7 +1,7 @@
 """Layer-level benchmark of every strategy on the emulated cluster, beside the cost model.
 
 Per point (topology, B, L, H, D, dtype) and strategy, on every rank, strategies interleaved
-within each repetition, medians over ``--reps``:
+within each repetition in an order rotated by one per repetition, medians over ``--reps``:
 
 - ``latency``: one ``ctx.attention`` call, all ranks released by a barrier, time until the
   slowest rank is done (all-reduce MAX);
@@ -245,8 +245,9 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             malloc_for(memory=False)
             comp_fns = {s: replay(res[s]["calls"]) for s in strategies}
             it = range(reps)
-            for _ in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
-                for s in strategies:
+            for i in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
+                n = i % len(strategies)  # each repetition starts one strategy later: no strategy
+                for s in strategies[n:] + strategies[:n]:  # always runs first or after the same one
                     for kind, fn in (("lat", lambda: ctxs[s].attention(q, k, v)), ("comp", comp_fns[s])):
                         wall, cpu = timed_cpu(fn)
                         res[s][kind].append(wall)
