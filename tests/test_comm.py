@@ -135,21 +135,28 @@ def test_shm_put_get_slices_queues_fifo_and_counters():
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(results[0]["prefix"])]
 
 
+def _outcomes(*calls) -> list[str]:
+    """Per call: "accepted", or the message of the ValueError it raised."""
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("accepted")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
 def _shm_invalid() -> list[str]:
     errors = []
     with _one_sided() as comm:
         buf = comm.symmetric_empty((4, 4), torch.float32)
         plain = torch.zeros(4, 4)
-        for call in (lambda: comm.put(plain[0], buf[0], 1, queue="other", what="x"),   # not symmetric
-                     lambda: comm.put(buf[0], torch.zeros(3), 1, queue="other", what="x"),
-                     lambda: comm.put(buf[0], buf[1], 1, queue="nope", what="x"),
-                     lambda: comm.get(buf[0], buf[1], W, queue="ring", what="x"),
-                     lambda: comm.barrier((5, 6), what="x")):
-            try:
-                call()
-                errors.append("accepted")
-            except ValueError as exc:
-                errors.append(str(exc))
+        errors += _outcomes(lambda: comm.put(plain[0], buf[0], 1, queue="other", what="x"),  # not symmetric
+                            lambda: comm.put(buf[0], torch.zeros(3), 1, queue="other", what="x"),
+                            lambda: comm.put(buf[0], buf[1], 1, queue="nope", what="x"),
+                            lambda: comm.get(buf[0], buf[1], W, queue="ring", what="x"),
+                            lambda: comm.barrier((5, 6), what="x"))
         comm.barrier_all(what="end")
     try:
         comm.put(buf[0], buf[1], 1, queue="other", what="late")
@@ -228,19 +235,13 @@ def test_shm_rejects_invalid_transfers():
 def _shm_inter_machine_local_side() -> list[str]:
     """2x1: the peer is on the other machine, so the local side must be a contiguous
     symmetric view (NVSHMEM over InfiniBand/EFA needs it registered)."""
-    out = []
     with _one_sided() as comm:
         buf = comm.symmetric_empty((4, 4), torch.float32)
         peer = 1 - dist.get_rank()
-        for call in (lambda: comm.put(buf[0], torch.zeros(4), peer, queue="other", what="x"),
-                     lambda: comm.get(torch.zeros(4), buf[0], peer, queue="other", what="x"),
-                     lambda: comm.get(buf[:, 1], buf[0], peer, queue="other", what="x"),
-                     lambda: comm.get(buf[1], buf[0], peer, queue="other", what="x").wait()):
-            try:
-                call()
-                out.append("accepted")
-            except ValueError as exc:
-                out.append(str(exc))
+        out = _outcomes(lambda: comm.put(buf[0], torch.zeros(4), peer, queue="other", what="x"),
+                        lambda: comm.get(torch.zeros(4), buf[0], peer, queue="other", what="x"),
+                        lambda: comm.get(buf[:, 1], buf[0], peer, queue="other", what="x"),
+                        lambda: comm.get(buf[1], buf[0], peer, queue="other", what="x").wait())
         comm.barrier_all(what="end")
     return out
 

@@ -8,11 +8,10 @@ Two families share one byte accounting:
   local tensor (across machines the local tensor must be symmetric too: NVSHMEM's
   InfiniBand/EFA transports need registered memory), both asynchronous on a named queue
   (``"ring"`` or ``"other"``; a CUDA stream on GPU, a copy thread on CPU) and completed by
-  ``Handle.wait``. ``barrier_all`` and
-  ``barrier(ranks)`` also complete every transfer the caller issued before them (quiet),
-  so data put before a barrier is visible to its target after the barrier; ``sync(ranks)``
-  is the rendezvous alone (NVSHMEM's team sync): transfers still in flight stay in flight,
-  so a pipeline of gets is not drained by it.
+  ``Handle.wait``. ``barrier_all`` and ``barrier(ranks)`` also complete every transfer the
+  caller issued before them (quiet), so data put before a barrier is visible to its target
+  after the barrier; ``sync(ranks)`` is the rendezvous alone (NVSHMEM's team sync):
+  transfers still in flight stay in flight, so a pipeline of gets is not drained by it.
 - ``TwoSided`` (``p2p``): ``exchange`` of tensors with matching sends/receives, and
   ``all_to_all``, over torch.distributed (NCCL on GPU, gloo on CPU).
 
@@ -108,6 +107,8 @@ class Communicator(abc.ABC):
 class OneSided(Communicator):
     """Symmetric-heap put/get (NVSHMEM semantics)."""
 
+    _buffers: "SymmetricBuffers"  # every backend registers its symmetric buffers here
+
     @abc.abstractmethod
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Collective: allocate a symmetric buffer; return this rank's copy."""
@@ -140,8 +141,6 @@ class OneSided(Communicator):
     def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Collective over all ranks (same list everywhere): declare every group later passed
         to ``barrier``. Backends needing per-group state (NVSHMEM teams) build it here."""
-
-    _buffers: "SymmetricBuffers"  # every backend registers its symmetric buffers here
 
     def check_transfer(self, sym: torch.Tensor, local: torch.Tensor, peer: int, queue: str) -> None:
         """Validate a put/get before it is queued (shared by every backend). Within a machine

@@ -8,8 +8,9 @@ Symmetric buffers are ``nvshmem.core.tensor``; a view of one is addressed by its
 address (symmetric addresses are valid on every PE). ``put``/``get`` decompose that view into
 contiguous byte runs and issue ``nvshmemx_{put,get}mem_on_stream`` per run on the queue's
 CUDA stream (``"ring"`` or ``"other"``), after the current stream; a non-contiguous local side
-(only allowed within a machine) is staged through a contiguous temporary on the same stream. A handle is a CUDA event on that
-stream: ``wait`` polls it against the timeout, then orders the current stream after it.
+(only allowed within a machine) is staged through a contiguous temporary on the same stream.
+A handle is a CUDA event on that stream: ``wait`` polls it against the timeout, then orders
+the current stream after it.
 Barriers run on a third stream after both queues and the current stream (NVSHMEM barriers
 also complete every transfer this PE issued), a ``sync`` after the current stream only; groups
 are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
