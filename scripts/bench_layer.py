@@ -29,8 +29,10 @@ within each repetition in an order rotated by one per repetition, medians over `
   threshold (glibc's own steady state), as a serving process would: at 64 KiB every large
   tensor is a fresh mmap with zero-filled page faults, which taxed the strategies with many
   small ops (swiftfusion on 4x2) by ~20 % and usp by ~5 % in the runs before this change.
-  Shared memory of peers that a rank reads counts in its RSS too (swiftfusion is
-  over-counted, not under);
+  Pages of machine-mates' heap segments that a rank's puts/gets touch are mapped into its
+  RSS too; they are another GPU's memory on a real cluster, so they are taken out
+  (``_peer_heap_rss``, from /proc/self/smaps: constant during the second call, since the
+  first one touched them all);
 - ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile.
 
 ``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
@@ -61,6 +63,7 @@ import xfuser_swiftfusion as sf
 from xfuser_swiftfusion import kernels
 from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict
 from xfuser_swiftfusion.kernels import new_state
+from xfuser_swiftfusion.comm.shm import PREFIX, SHM_DIR
 from xfuser_swiftfusion.launcher import run_emulated
 from xfuser_swiftfusion.netns import add_link_argument, link_from_args
 from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod
@@ -162,6 +165,21 @@ def _kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _peer_heap_rss() -> int:
+    """Resident bytes of other ranks' symmetric-heap segments mapped into this process."""
+    mine = f"-r{dist.get_rank()}-b"
+    total, peer = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header
+                path = line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                peer = (os.path.basename(path).startswith(PREFIX) and path.startswith(SHM_DIR)
+                        and mine not in path)
+            elif peer and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def reference(q, k, v) -> torch.Tensor:
     """fp64 softmax attention [B, H, Lq, D] x [B, H, L, D] (written here, independent)."""
     q, k, v = q.double(), k.double(), v.double()
@@ -204,7 +222,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
         for s in strategies:
             ctx = ctxs[s]
             ctx.reset_stats()
-            rss0 = _kb("VmRSS")
+            rss0 = _kb("VmRSS") - _peer_heap_rss()
             qd0 = qdisc_bytes(net) if net and rank == 0 else None
             dist.barrier()  # no rank sends before rank 0 has read the counters
             with AttendRecorder() as recd:
@@ -240,7 +258,7 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS (persistent buffers stay in it)
             ctx.attention(q, k, v)  # steady state: no one-time transient allocations in the peak
-            r["peak_rss"] = all_max(_kb("VmHWM") - rss0)
+            r["peak_rss"] = all_max(_kb("VmHWM") - _peer_heap_rss() - rss0)
         if not quick:
             malloc_for(memory=False)
             comp_fns = {s: replay(res[s]["calls"]) for s in strategies}

@@ -233,3 +233,40 @@ def test_outputs_stay_valid_after_the_next_call():
         for name, Tj, err1, err2 in rows:
             assert err2 <= 1e-5, f"rank {rank} {name} Tj={Tj}: second call err {err2:.2e}"
             assert err1 <= 1e-5, f"rank {rank} {name} Tj={Tj}: first output changed by the second call (err {err1:.2e})"
+
+
+# --- swiftfusion's symmetric heap: what the README promises per attention shape ------------
+
+def _heap_growth_rank():
+    """swiftfusion's heap growth at the first call of each shape (B, H, S, D, Tj), and T."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, H, S, D = 2, 8, 8, 16
+    mine = slice(rank * S, (rank + 1) * S)
+    ctx = sf.init_sequence_parallel("swiftfusion", H, timeout_s=60)
+    rows = []
+    try:
+        for Tj in (0, 3):
+            g = torch.Generator().manual_seed(Tj)
+            q, k, v = (torch.randn(B, H, S * world, D, generator=g) for _ in range(3))
+            jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g) for _ in range(3))
+            joint = dict(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy="front") if Tj else {}
+            before = ctx.stats()["symmetric_heap_bytes"]
+            for _ in range(2):  # the second call of a shape reuses the first one's buffers
+                out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **joint)
+            err = (out.double() - reference(q[:, :, mine], k, v, *((jq, jk, jv) if Tj else ()))).abs().max().item()
+            rows.append(((B, H, S, D, Tj), ctx.stats()["symmetric_heap_bytes"] - before, err))
+        return ctx.mesh.torus, rows
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("topo", ["4x1", "2x2"])
+def test_swiftfusion_heap_per_shape(topo):
+    """(2 + 2 (T-1)/T) X + 2 X' per rank (X: one rank's Q, X': with the text rows): staged
+    and working K/V, pulled K/V, and two slot grids holding Q and then the outputs."""
+    for rank, (T, rows) in enumerate(run_emulated(_heap_growth_rank, topo, timeout_s=120)):
+        assert T == int(topo[0])
+        for (B, H, S, D, Tj), grew, err in rows:
+            X, X_ = B * H * S * D * 4, B * H * (S + Tj) * D * 4  # fp32
+            assert err <= 1e-5
+            assert grew == (2 + 2 * (T - 1) / T) * X + 2 * X_, (rank, Tj, grew / X)

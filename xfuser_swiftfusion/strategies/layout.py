@@ -95,22 +95,50 @@ def split_heads(x: torch.Tensor, *groups: int) -> torch.Tensor:
     return y.permute(*range(1, n + 1), 0, n + 1, n + 2, n + 3)
 
 
-def gather_output(o: torch.Tensor, S: int, joint: Joint | None) -> torch.Tensor:
-    """``[*groups, B, h, S + Tj, D]`` (image rows, then text rows) -> ``[B, H, S (+ Tj), D]``
-    with the text rows first or last as ``joint.strategy`` says (USP's output layout).
+@dataclass(frozen=True)
+class Slots:
+    """A grid ``[*groups]`` of slots, each ONE contiguous run holding the ``[B, h, S, D]``
+    image rows of one head group and then its ``[B, h, Tj, D]`` text rows.
+
+    A slot moves in one transfer, and its image rows alone are a contiguous prefix, so a
+    query block ``[B, h, S, D]`` can live in the slot its own output overwrites later.
+    """
+
+    flat: torch.Tensor  # [*groups, B*h*(S+Tj)*D]
+    rows: torch.Tensor  # [*groups, B, h, S, D] view of the prefix of every slot
+    text: torch.Tensor  # [*groups, B, h, Tj, D] view of the rest
+
+    @staticmethod
+    def numel(B: int, h: int, S: int, Tj: int, D: int) -> int:
+        """Elements of one slot."""
+        return B * h * (S + Tj) * D
+
+    @classmethod
+    def view(cls, flat: torch.Tensor, B: int, h: int, S: int, Tj: int, D: int) -> "Slots":
+        """Slots over ``flat`` ``[*groups, numel(B, h, S, Tj, D)]`` (no copy)."""
+        *groups, n = flat.shape
+        if n != cls.numel(B, h, S, Tj, D):
+            raise ValueError(f"slot of {n} elements cannot hold [B={B}, h={h}, S+Tj={S}+{Tj}, D={D}]")
+        m = B * h * S * D
+        # [*groups, B*h*(S+Tj)*D] -> [*groups, B, h, S, D] and [*groups, B, h, Tj, D]
+        return cls(flat, flat[..., :m].view(*groups, B, h, S, D), flat[..., m:].view(*groups, B, h, Tj, D))
+
+
+def gather_output(o: Slots, joint: Joint | None) -> torch.Tensor:
+    """Slots of ``[*groups]`` head groups -> ``[B, H, S (+ Tj), D]``, the text rows first or
+    last as ``joint.strategy`` says (USP's output layout).
 
     Always a new tensor, written once: callers may keep it while ``o`` (often a buffer the
     next call rewrites) changes.
     """
-    n = o.dim() - 4
-    # [*groups, B, h, S + Tj, D] -> [B, *groups, h, S + Tj, D]
-    y = o.permute(n, *range(n), n + 1, n + 2, n + 3)
-    Tj = o.shape[-2] - S
-    out = torch.empty(y.shape, dtype=o.dtype, device=o.device)
+    n = o.rows.dim() - 4
+    B, h, S, D = o.rows.shape[n:]
+    Tj = o.text.shape[-2]
+    out = torch.empty(B, *o.rows.shape[:n], h, S + Tj, D, dtype=o.flat.dtype, device=o.flat.device)
     front = joint is not None and joint.strategy == "front"
     img, txt = (slice(Tj, None), slice(0, Tj)) if front else (slice(0, S), slice(S, None))
-    out[..., img, :] = y[..., :S, :]
+    to_batch_first = (n, *range(n), n + 1, n + 2, n + 3)  # [*groups, B, h, L, D] -> [B, *groups, h, L, D]
+    out[..., img, :] = o.rows.permute(to_batch_first)
     if Tj:
-        out[..., txt, :] = y[..., S:, :]
-    B, D = out.shape[0], out.shape[-1]
+        out[..., txt, :] = o.text.permute(to_batch_first)
     return out.view(B, -1, S + Tj, D)  # [B, *groups, h, S + Tj, D] -> [B, H, S + Tj, D]

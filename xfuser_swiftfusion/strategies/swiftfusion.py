@@ -1,23 +1,31 @@
 """``swiftfusion``: the Torus schedule over one-sided put/get (paper Algorithm 1).
 
-Symmetric buffers on every rank: staging ``Qb, Kb, Vb`` ``[T, U, B, h, S, D]``, pulled
-``Q, K, V`` ``[T-1, U, B, h, S, D]``, outputs ``O`` and ``Ob`` ``[T, U, B, h, S + Tj, D]``.
-Slot ``[t, :]`` of ``Qb/Kb/Vb`` is the local working slot (it is only written by the
-intra-machine scatter); pulled blocks are stored by stage, machine ``(t - k) % T`` in slot
-``k - 1`` (the same slot on every ring peer, which shares ``t``). So Q, K and V each have
-(T-1)/T of an extra copy besides their staging buffer, O one. Pulled K/V are symmetric
-because ring peers read them; pulled Q (a get's destination) and O (a put's source) because
-NVSHMEM's inter-machine transports need the local side of a transfer registered too.
+Symmetric buffers on every rank (``[T, U]`` grids of slots, ``layout.Slots``: image rows
+``[B, h, S, D]`` then text rows ``[B, h, Tj, D]``):
+- ``QO`` (slots): image rows of slot ``a`` hold the query block of machine ``a`` (``a = t``:
+  scattered within my machine; else pulled from machine ``a``), then its output;
+- ``QOb`` (slots): slot ``a != t`` first stages my queries for machine ``a`` to pull, then
+  receives my tokens' outputs pushed back by that machine (slot ``t``: from my machine);
+- ``Kb, Vb`` ``[T, U, B, h, S, D]``: slot ``a != t`` staged for machine ``a``, slot ``t`` my
+  working K/V (written only by the intra-machine scatter);
+- pulled ``K, V`` ``[T-1, U, B, h, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
+  same slot on every ring peer, which shares ``t``: ring peers read them).
+Per rank that is 2 X' + (2 + 2 (T-1)/T) X (X: one rank's Q, X': with text rows). Pulled Q
+and QO/QOb are symmetric although no peer reads them because NVSHMEM's inter-machine
+transports need the local side of a transfer registered too.
 
 Synchronisation: one ``barrier_all`` after the intra-machine scatter, one at the end of the
 layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
-- ``Qb/Kb/Vb[a != t]`` (read by other machines' gets) are rewritten at the start of the next
-  layer, after every get of this layer completed (end barrier: ranks quiet before it);
-- ``Qb/Kb/Vb[t]`` is written only by the scatter's puts, after the previous end barrier;
+- staged slots ``[a != t]`` are rewritten at the start of the next layer, after every get of
+  this layer completed (end barrier: ranks quiet before it);
+- the working slots ``[t]`` are written only by the scatter's puts, after the previous end
+  barrier, by which this rank's pushes out of ``QO[t]`` completed;
+- ``QOb[a, b]`` is pushed into by GPU ``(a, b, r)`` only after it completed its get of the
+  queries staged there (its own program order), and I read it after the end barrier;
 - ``K/V[t']`` is pulled into (and waited for) before ring peers read it; the Pull-KV ring
   sync orders that without draining the later stages' pulls still in flight;
-- ``Ob`` is copied out before this rank enters the next layer's first barrier, which every
-  peer must pass before it pushes into ``Ob`` again.
+- ``QOb`` is copied out before this rank enters the next layer's first barrier, which every
+  peer must pass before it pushes into ``QOb`` again.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import torch
 
 from ..comm.base import Handle, OneSided
 from ..topology import Mesh
-from .layout import split_heads
+from .layout import Slots, split_heads
 from .ring import PullRing
 
 
@@ -37,7 +45,7 @@ class OneSidedTorusIO:
         self.t, self.u, self.r = mesh.coords(rank)
         self.ring_ranks = mesh.ring_groups[self.t * mesh.ulysses_intra + self.u]
         self._ring = PullRing(comm, self.ring_ranks, self.r)
-        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._buffers: dict[tuple, dict[str, torch.Tensor | Slots]] = {}
 
     def _peer(self, a: int, b: int) -> int:
         return self.mesh.rank_of(a, b, self.r)
@@ -48,46 +56,54 @@ class OneSidedTorusIO:
         else:
             self.comm.put(dst, src, peer, queue="other", what=what)
 
-    def _alloc(self, q: torch.Tensor, out_len: int) -> dict[str, torch.Tensor]:
+    def _alloc(self, q: torch.Tensor, text_len: int) -> dict[str, torch.Tensor | Slots]:
         """Collective on first use of a shape: every rank allocates the same buffers in order."""
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
-        key = (tuple(q.shape), q.dtype, out_len)
+        h = H // (T * U)
+        key = (tuple(q.shape), q.dtype, text_len)
         if key not in self._buffers:
-            shape = lambda m, n: (m, U, B, H // (T * U), n, D)  # noqa: E731
-            pulled = ("Q", "K", "V") if T > 1 else ()  # one machine: nothing to pull
-            buf = {n: self.comm.symmetric_empty(shape(T, S), q.dtype) for n in ("Qb", "Kb", "Vb")}
-            buf |= {n: self.comm.symmetric_empty(shape(T - 1, S), q.dtype) for n in pulled}
-            buf |= {n: self.comm.symmetric_empty(shape(T, out_len), q.dtype) for n in ("O", "Ob")}
+            slots = lambda: Slots.view(  # noqa: E731
+                self.comm.symmetric_empty((T, U, Slots.numel(B, h, S, text_len, D)), q.dtype),
+                B, h, S, text_len, D)
+            kv = lambda m: self.comm.symmetric_empty((m, U, B, h, S, D), q.dtype)  # noqa: E731
+            buf = {"QO": slots(), "QOb": slots(), "Kb": kv(T), "Vb": kv(T)}
+            if T > 1:  # one machine: nothing to pull
+                buf |= {"K": kv(T - 1), "V": kv(T - 1)}
             self._buffers[key] = buf
         return self._buffers[key]
 
-    def stage_in(self, q, k, v, out_len):
+    def stage_in(self, q, k, v, text_len):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
-        self.buf = self._alloc(q, out_len)
-        self.O, self.Ob = self.buf["O"], self.buf["Ob"]
-        for n, x in (("Qb", q), ("Kb", k), ("Vb", v)):
+        self.buf = self._alloc(q, text_len)
+        self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
+        staged = {"Q": self.Ob.rows, "K": self.buf["Kb"], "V": self.buf["Vb"]}  # [T, U, B, h, S, D]
+        working = {"Q": self.O.rows[t], "K": self.buf["Kb"][t], "V": self.buf["Vb"][t]}  # [U, B, h, S, D]
+        for n, x in (("Q", q), ("K", k), ("V", v)):
             src = split_heads(x, T, U)  # [B, H, S, D] -> [T, U, B, h, S, D] (view)
             for a in range(T):
                 if a != t:  # step 1: slots other machines will pull from me
-                    self.buf[n][a].copy_(src[a])
+                    staged[n][a].copy_(src[a])
             for b in range(U):  # step 2: ScatterPush my slot [t, b] into GPU (t, b, r)'s [t, u]
-                self._put(self.buf[n][t, u], src[t, b], self._peer(t, b), f"Ulysses scatter {n[0]}")
+                self._put(working[n][u], src[t, b], self._peer(t, b), f"Ulysses scatter {n}")
         self.comm.barrier_all(what="barrier 1 (after intra-machine Ulysses scatter)")
 
     def issue_pulls(self):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         b_ = self.buf
 
-        def gather_pull(names: tuple[str, ...], kk: int, what: str) -> list[Handle]:
+        def pull(kk: int, blocks: list[tuple[str, torch.Tensor, torch.Tensor]], what: str) -> list[Handle]:
+            """Stage kk: from GPU (t', b, r), t' = t - kk, its staged slot [t, u] of each
+            ``(name, my [U, ...] destination, staged [T, U, ...])`` into my destination [b]."""
             tp = (t - kk) % T
-            return [self.comm.get(b_[dst][self._slot(tp), b], b_[src][t, u], self._peer(tp, b),
-                                  queue="other", what=f"{what}, {dst} from rank {self._peer(tp, b)}")
-                    for dst, src in names for b in range(U)]
+            return [self.comm.get(dst[b], staged[t, u], self._peer(tp, b), queue="other",
+                                  what=f"{what}, {n} from rank {self._peer(tp, b)}")
+                    for n, dst, staged in blocks for b in range(U)]
 
-        EQ = {kk: gather_pull((("Q", "Qb"),), kk, f"Pull-Q stage {kk + 1}") for kk in range(1, T)}
-        EKV = {kk: gather_pull((("K", "Kb"), ("V", "Vb")), kk, f"Pull-KV stage {kk}")
-               for kk in range(1, T)}
+        EQ = {kk: pull(kk, [("Q", self.O.rows[(t - kk) % T], self.Ob.rows)], f"Pull-Q stage {kk + 1}")
+              for kk in range(1, T)}
+        EKV = {kk: pull(kk, [("K", b_["K"][kk - 1], b_["Kb"]), ("V", b_["V"][kk - 1], b_["Vb"])],
+                        f"Pull-KV stage {kk}") for kk in range(1, T)}
         return EQ, EKV
 
     def _slot(self, a: int) -> int:
@@ -95,7 +111,7 @@ class OneSidedTorusIO:
         return (self.t - a) % self.mesh.torus - 1
 
     def q_block(self, a):
-        return self.buf["Qb"][a] if a == self.t else self.buf["Q"][self._slot(a)]
+        return self.O.rows[a]
 
     def kv_block(self, a):
         if a == self.t:
@@ -114,7 +130,7 @@ class OneSidedTorusIO:
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         tp = (t - kk) % T
         for b in range(U):  # ScatterPush O[t', b] into GPU (t', b, r)'s Ob[t, u]
-            self._put(self.Ob[t, u], self.O[tp, b], self._peer(tp, b), f"Push-O to machine {tp}")
+            self._put(self.Ob.flat[t, u], self.O.flat[tp, b], self._peer(tp, b), f"Push-O to machine {tp}")
 
     def stage_out(self):
         self.comm.barrier_all(what="barrier 2 (after Push-O)")

@@ -15,7 +15,7 @@ import torch
 from ..comm.base import TwoSided
 from ..kernels import attend, new_state
 from ..topology import Mesh
-from .layout import Joint, gather_output, split_heads
+from .layout import Joint, Slots, gather_output, split_heads
 from .ring import PassRing
 
 
@@ -46,15 +46,15 @@ class TasAttention:
         if joint is not None:
             attend(q_chunks, [(jk, jv)], states, scale=scale)
         self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention")
-        # [G, B, h, S + Tj, D]: image rows of every slot, then the (shared) text rows
-        O = Q.new_empty(G, *Q.shape[1:3], S + Tj, Q.shape[-1])
-        attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True,
-               out=list(O[:, :, :, :S].unbind(0)))
+        B, h, _, D = Q.shape[1:]
+        # G slots: image rows [B, h, S, D], then the (shared) text rows [B, h, Tj, D]
+        O = Slots.view(Q.new_empty(G, Slots.numel(B, h, S, Tj, D)), B, h, S, Tj, D)
+        attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True, out=list(O.rows.unbind(0)))
         if joint is not None:
             (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
-            O[:, :, :, S:] = txt  # [B, h, Tj, D] broadcast into every slot
-        Ob = self._all_to_all(O, "Ulysses all-to-all O")
-        return gather_output(Ob, S, joint)  # [G, B, h, S + Tj, D] -> [B, H, S + Tj, D]
+            O.text[:] = txt  # [B, h, Tj, D] broadcast into every slot
+        Ob = Slots.view(self._all_to_all(O.flat, "Ulysses all-to-all O"), B, h, S, Tj, D)
+        return gather_output(Ob, joint)  # G slots -> [B, H, S + Tj, D]
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -3,7 +3,10 @@
 GPU ``x = (t, u, r)``: torus (machine) rank t of T, intra-machine Ulysses rank u of U,
 ring rank r of R. Heads split into ``T*U`` groups of ``h``; group ``(a, b)`` is owned by
 GPU ``(a, b, r)``. Working set per GPU, ``[T, U, B, h, S, D]`` (slot ``[a, b]`` = tokens of
-GPU ``(a, b, r)``, head group ``(t, u)``); outputs ``[T, U, B, h, S + Tj, D]``.
+GPU ``(a, b, r)``, head group ``(t, u)``); outputs in ``[T, U]`` slots (``layout.Slots``:
+``[B, h, S, D]`` image rows, then ``[B, h, Tj, D]`` text rows). The output of query block
+``a`` is written only after the block's last use, so a transport may keep query block ``a``
+in the image rows of output slot ``a`` (both transports do: one buffer less).
 
 Two refinements of Algorithm 1, with the same work and bytes:
 - the local queries attend to each remote K/V block in the Pull-KV stage that brings it
@@ -26,21 +29,24 @@ import torch
 from ..comm.base import Handle, TwoSided
 from ..kernels import AttnState, attend, new_state
 from ..topology import Mesh
-from .layout import Joint, gather_output, split_heads
+from .layout import Joint, Slots, gather_output, split_heads
 from .ring import PassRing
 
 
 class TorusIO(Protocol):
     """What the schedule needs from communication (all indices are torus ranks)."""
 
-    def stage_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_len: int) -> None:
+    def stage_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int) -> None:
         """Steps 1-2: intra-machine Ulysses; afterwards ``q_block(t)``/``kv_block(t)`` hold my
-        machine's tokens of my head group; ``O``, ``Ob`` are allocated ``[T, U, B, h, out_len, D]``."""
+        machine's tokens of my head group; ``O``, ``Ob`` are ``[T, U]`` slots of S image rows
+        and ``text_len`` text rows."""
 
     def issue_pulls(self) -> tuple[dict[int, list[Handle]], dict[int, list[Handle]]]:
         """Step 3: every inter-machine Q, then K/V transfer; handles per stage k = 1..T-1."""
 
-    def q_block(self, a: int) -> torch.Tensor: ...
+    def q_block(self, a: int) -> torch.Tensor:
+        """``[U, B, h, S, D]``: queries of machine ``a``'s tokens, my head group (may be
+        ``O.rows[a]``: valid until the schedule writes output ``a``)."""
     def kv_block(self, a: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def ring(self, q_chunks: list[torch.Tensor], states: list[AttnState], a: int, *,
              scale: float, what: str) -> None:
@@ -48,10 +54,10 @@ class TorusIO(Protocol):
     def barrier_ring(self, *, what: str) -> None: ...
     def push_o(self, k: int) -> None:
         """Send ``O[(t-k)%T, :]`` to its owners (k = 0: my machine); receive my outputs."""
-    def stage_out(self) -> torch.Tensor:
+    def stage_out(self) -> Slots:
         """Complete every push; return ``Ob`` (slot ``[a, b]`` = my tokens, head group (a, b))."""
 
-    O: torch.Tensor  # [T, U, B, h, S + Tj, D] outputs computed here, slot [a, b] owned by GPU (a, b, r)
+    O: Slots  # [T, U] outputs computed here, slot [a, b] owned by GPU (a, b, r)
 
 
 class TorusAttention:
@@ -63,13 +69,12 @@ class TorusAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float) -> torch.Tensor:
-        S = q.shape[2]
-        self.io.stage_in(q, k, v, S + (joint.length if joint is not None else 0))  # steps 1-2
-        self._stages(S, joint, scale)  # the running states live only in there, so they are
+        self.io.stage_in(q, k, v, joint.length if joint is not None else 0)  # steps 1-2
+        self._stages(joint, scale)  # the running states live only in there, so they are
         # freed before the output is allocated and the two don't add up in the peak
-        return gather_output(self.io.stage_out(), S, joint)  # [T, U, B, h, S + Tj, D] -> [B, H, S + Tj, D]
+        return gather_output(self.io.stage_out(), joint)  # [T, U] slots -> [B, H, S + Tj, D]
 
-    def _stages(self, S: int, joint: Joint | None, scale: float) -> None:
+    def _stages(self, joint: Joint | None, scale: float) -> None:
         """Steps 3-7: every transfer issued, the Pull-Q, Pull-KV and Push-O stages."""
         io, T, U, t = self.io, self.mesh.torus, self.mesh.ulysses_intra, self.t
         EQ, EKV = io.issue_pulls()                                     # step 3
@@ -103,12 +108,12 @@ class TorusAttention:
                         what=f"Pull-KV stage {kk}")
         # ... the last one block by block (text queries with the first): each remote output
         # is final after its block and leaves at once (Push-O) while the next one computes.
-        O = io.O  # [T, U, B, h, S + Tj, D]
+        O = io.O  # [T, U] slots; O.rows[a] may hold Q[a] until its output is written
 
         def finish_text() -> None:
             if joint is not None:
                 (txt,) = attend(text_q, [], text_st, scale=scale, finalize=True)
-                O[:, :, :, :, S:] = txt  # text rows of my head group ride in every slot
+                O.text[:] = txt  # [B, h, Tj, D]: text rows of my head group ride in every slot
 
         for kk in range(1, T):
             tp = (t - kk) % T
@@ -117,15 +122,14 @@ class TorusAttention:
                     what=f"Pull-KV stage {T - 1}, queries of machine {tp}")
             if kk == 1:
                 finish_text()
-            attend(Q[tp], [], st[tp], scale=scale, finalize=True,
-                   out=list(O[tp, :, :, :, :S].unbind(0)))
+            attend(Q[tp], [], st[tp], scale=scale, finalize=True, out=list(O.rows[tp].unbind(0)))
             io.push_o(kk)
         if T == 1:
             finish_text()
         # Push-O: local queries against the last K/V block while the remote outputs travel.
         if T > 1:
             io.ring(Q[t], st[t], (t + 1) % T, scale=scale, what="Push-O")
-        attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O[t, :, :, :, :S].unbind(0)))
+        attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O.rows[t].unbind(0)))
         io.push_o(0)
 
     def heap_bytes(self) -> int:
@@ -149,20 +153,23 @@ class TwoSidedTorusIO:
         self.t, self.u, self.r = mesh.coords(rank)
         self.ring_ranks = mesh.ring_groups[self.t * mesh.ulysses_intra + self.u]
         self._ring = PassRing(comm, self.ring_ranks, self.r)
-        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._buffers: dict[tuple, dict[str, torch.Tensor | Slots]] = {}
         self._pending: list[Handle] = []
 
     def _peer(self, a: int, b: int) -> int:
         return self.mesh.rank_of(a, b, self.r)
 
-    def stage_in(self, q, k, v, out_len):
+    def stage_in(self, q, k, v, text_len):
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
-        key = (tuple(q.shape), q.dtype, q.device, out_len)
+        h = H // (T * U)
+        key = (tuple(q.shape), q.dtype, q.device, text_len)
         if key not in self._buffers:
-            work = lambda n: q.new_empty(T, U, B, H // (T * U), n, D)  # noqa: E731
-            self._buffers = {key: {n: work(S) for n in ("Q", "K", "V")}
-                             | {n: work(out_len) for n in ("O", "Ob")}}
+            slots = lambda: Slots.view(q.new_empty(T, U, Slots.numel(B, h, S, text_len, D)),  # noqa: E731
+                                       B, h, S, text_len, D)
+            O = slots()  # the received Q block of machine a lives in O.rows[a]
+            self._buffers = {key: {"Q": O.rows, "K": q.new_empty(T, U, B, h, S, D),
+                                   "V": q.new_empty(T, U, B, h, S, D), "O": O, "Ob": slots()}}
         self.buf = self._buffers[key]
         self.O, self.Ob = self.buf["O"], self.buf["Ob"]
         # step 1, [B, H, S, D] -> [T, U, B, h, S, D]: my tokens, every head group (send buffers)
@@ -200,8 +207,8 @@ class TwoSidedTorusIO:
         # mirrors the pulls: I receive my tokens' outputs for head group (t+kk, b) from its owner
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tp, tn = (t - kk) % T, (t + kk) % T
-        sends = [(self.O[tp, b], self._peer(tp, b)) for b in range(U)]
-        recvs = [(self.Ob[tn, b], self._peer(tn, b)) for b in range(U)]
+        sends = [(self.O.flat[tp, b], self._peer(tp, b)) for b in range(U)]
+        recvs = [(self.Ob.flat[tn, b], self._peer(tn, b)) for b in range(U)]
         self._pending.append(self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp}"))
 
     def stage_out(self):
