@@ -127,6 +127,18 @@ def test_no_keys_gives_zero_output_and_minus_inf_lse():
     assert torch.equal(o, torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("Lk", [1, 6, 12, 300])
+def test_nan_query_row_gives_nan_row_only(Lk):
+    """A query row holding a NaN: NaN in that row (softmax math), finite everywhere else; torch's
+    CPU op alone returns NaN or 0 for it depending on Lk (0 at Lk = 6 on AVX2)."""
+    torch.manual_seed(Lk)
+    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, Lk, 16), torch.randn(1, 2, Lk, 16)
+    q[0, 1, 3, 0] = float("nan")
+    ref_out, _ = reference(q, [(k, v)], 0.25)
+    (o,) = attend([q], [(k, v)], [new_state(q)], scale=0.25, finalize=True)
+    assert torch.equal(o.isnan(), ref_out.isnan()) and o[0, 1, 3].isnan().all()
+
+
 def test_large_scores_no_overflow():
     """|scores| ~ 1e4: finite, and (nearly one-hot) softmax still matches the reference."""
     torch.manual_seed(0)

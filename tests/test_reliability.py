@@ -453,13 +453,13 @@ def test_numerics_at_the_edges_match_single_device():
            "bf16_large_values": 2e-2}
     rows = [r for per_rank in run_emulated(_edges, "2x2", timeout_s=120) for r in per_rank]
     for row in rows:
-        assert row["nan_as_single"], row  # NaN exactly where single-device SDPA gives NaN
-        # torch's CPU flash kernel (single-device SDPA as well) outputs 0 for a query row holding
-        # a NaN, where fp64 softmax math gives NaN; everywhere else both agree
-        assert row["nan_as_fp64"] or row["case"] == "nan_query_row", row
+        assert row["nan_as_fp64"], row  # NaN exactly where fp64 softmax math gives NaN
+        # and where single-device SDPA does, except for a query row holding a NaN: torch's CPU
+        # flash kernel outputs NaN or 0 there depending on Lk and the CPU's vector width
+        assert row["nan_as_single"] or row["case"] == "nan_query_row", row
         assert row["rel_err"] <= tol.get(row["case"], 1e-5), row
         if row["case"] in tol:
             assert not row["any_nan"], row
         if row["case"] == "inf_value":
             assert row["inf_as_fp64"], row
-    assert not all(r["nan_as_fp64"] for r in rows if r["case"] == "nan_query_row")
+    assert any(r["any_nan"] for r in rows if r["case"] == "nan_query_row")

@@ -9,7 +9,8 @@ matters for speed: the op tiles queries by 256 rows only when Lq >= 768 (64 belo
 output of a many-chunk call to about one group's size.
 
 ``_scaled_dot_product_flash_attention_for_cpu`` (torch 2.13) crashes the process (SIGFPE) on
-Lq = 0 or Lk = 0: empty chunks never reach it.
+Lq = 0 or Lk = 0: empty chunks never reach it. Its output for a query row holding a NaN is
+NaN or 0 depending on Lk and the CPU (AVX2 / AVX-512): we make it NaN, as softmax math does.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def attend_cpu(
     for group in _groups(work):
         q = _joined([q for q, _ in group])  # [B, H, sum Lq_i, D]
         out, lse = _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        # a query row holding a NaN: the op returns NaN or (out 0, LSE 0) depending on Lk and
+        # the CPU's vector width; softmax math gives NaN, and so do we (it then poisons the merge)
+        lse = lse.masked_fill(q.isnan().any(dim=-1), float("nan"))
         lengths = [c.shape[2] for c, _ in group]
         # [B, H, sum Lq_i, D] -> chunk i's rows [B, H, Lq_i, D] (views)
         for (_, state), o, l in zip(group, out.split(lengths, dim=2), lse.split(lengths, dim=2)):

@@ -8,6 +8,7 @@ Head group ``g`` of ``G`` is heads ``[g*h, (g+1)*h)``, ``h = H / G``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,12 @@ class Slots:
         m = B * h * S * D
         # [*groups, B*h*(S+Tj)*D] -> [*groups, B, h, S, D] and [*groups, B, h, Tj, D]
         return cls(flat, flat[..., :m].view(*groups, B, h, S, D), flat[..., m:].view(*groups, B, h, Tj, D))
+
+    @classmethod
+    def alloc(cls, empty: Callable[[tuple[int, ...]], torch.Tensor], groups: tuple[int, ...],
+              B: int, h: int, S: int, Tj: int, D: int) -> "Slots":
+        """Slots in a new buffer ``empty(shape)`` (``Tensor.new_empty``, a symmetric allocator)."""
+        return cls.view(empty((*groups, cls.numel(B, h, S, Tj, D))), B, h, S, Tj, D)
 
 
 def gather_output(o: Slots, joint: Joint | None) -> torch.Tensor:

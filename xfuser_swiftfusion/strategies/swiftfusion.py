@@ -63,10 +63,9 @@ class OneSidedTorusIO:
         h = H // (T * U)
         key = (tuple(q.shape), q.dtype, text_len)
         if key not in self._buffers:
-            slots = lambda: Slots.view(  # noqa: E731
-                self.comm.symmetric_empty((T, U, Slots.numel(B, h, S, text_len, D)), q.dtype),
-                B, h, S, text_len, D)
-            kv = lambda m: self.comm.symmetric_empty((m, U, B, h, S, D), q.dtype)  # noqa: E731
+            sym = lambda shape: self.comm.symmetric_empty(shape, q.dtype)  # noqa: E731
+            slots = lambda: Slots.alloc(sym, (T, U), B, h, S, text_len, D)  # noqa: E731
+            kv = lambda m: sym((m, U, B, h, S, D))  # noqa: E731
             buf = {"QO": slots(), "QOb": slots(), "Kb": kv(T), "Vb": kv(T)}
             if T > 1:  # one machine: nothing to pull
                 buf |= {"K": kv(T - 1), "V": kv(T - 1)}

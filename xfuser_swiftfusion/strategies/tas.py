@@ -48,7 +48,7 @@ class TasAttention:
         self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention")
         B, h, _, D = Q.shape[1:]
         # G slots: image rows [B, h, S, D], then the (shared) text rows [B, h, Tj, D]
-        O = Slots.view(Q.new_empty(G, Slots.numel(B, h, S, Tj, D)), B, h, S, Tj, D)
+        O = Slots.alloc(Q.new_empty, (G,), B, h, S, Tj, D)
         attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True, out=list(O.rows.unbind(0)))
         if joint is not None:
             (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)

@@ -165,11 +165,10 @@ class TwoSidedTorusIO:
         h = H // (T * U)
         key = (tuple(q.shape), q.dtype, q.device, text_len)
         if key not in self._buffers:
-            slots = lambda: Slots.view(q.new_empty(T, U, Slots.numel(B, h, S, text_len, D)),  # noqa: E731
-                                       B, h, S, text_len, D)
-            O = slots()  # the received Q block of machine a lives in O.rows[a]
-            self._buffers = {key: {"Q": O.rows, "K": q.new_empty(T, U, B, h, S, D),
-                                   "V": q.new_empty(T, U, B, h, S, D), "O": O, "Ob": slots()}}
+            O, Ob = (Slots.alloc(q.new_empty, (T, U), B, h, S, text_len, D) for _ in range(2))
+            self._buffers = {key: {"Q": O.rows,  # the received Q block of machine a lives in O.rows[a]
+                                   "K": q.new_empty(T, U, B, h, S, D), "V": q.new_empty(T, U, B, h, S, D),
+                                   "O": O, "Ob": Ob}}
         self.buf = self._buffers[key]
         self.O, self.Ob = self.buf["O"], self.buf["Ob"]
         # step 1, [B, H, S, D] -> [T, U, B, h, S, D]: my tokens, every head group (send buffers)
