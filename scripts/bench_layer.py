@@ -38,7 +38,7 @@ within each repetition in an order rotated by one per repetition, medians over `
 ``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
 against ``counted_inter_node_elements`` on small shapes (CI).
 
-Command (see BENCHMARKS.md): /work/venv/bin/python scripts/bench_layer.py [--quick]
+Command (see BENCHMARKS.md): .venv/bin/python scripts/bench_layer.py [--quick]
   [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
   [--reps 5] [--link-mbit 300] [--out benchmarks/results/layer]
 """
@@ -51,6 +51,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ from tqdm import tqdm
 
 import xfuser_swiftfusion as sf
 from xfuser_swiftfusion import kernels
-from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, predict
+from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, host_cpu, predict
 from xfuser_swiftfusion.kernels import new_state
 from xfuser_swiftfusion.comm.shm import PREFIX, SHM_DIR
 from xfuser_swiftfusion.launcher import run_emulated
@@ -328,6 +329,15 @@ def markdown(rows: list[dict], quick: bool) -> str:
     return head + "".join(out)
 
 
+def _commit() -> str:
+    """The checked-out commit (``-dirty`` with uncommitted changes to the package or scripts):
+    what produced a table."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=Path(__file__).parent).stdout.strip()
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+        "-dirty" if git("status", "--porcelain", "-uno", "--", "../xfuser_swiftfusion", ".") else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="equivalence + byte counts only (CI)")
@@ -365,7 +375,7 @@ def main() -> int:
             r["loadavg_1m"] = [round(load0[0], 1), round(os.getloadavg()[0], 1)]
         _predict(res, topo, a.link_mbit)
         rows += res
-    cmd = "/work/venv/bin/python " + " ".join(sys.argv)
+    cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
     md = markdown(rows, a.quick)
     print(f"`{cmd}` ({time.time() - t0:.0f} s)\n\n{md}")
     if a.quick:
@@ -377,13 +387,13 @@ def main() -> int:
     out = Path(a.out) if a.out else RESULTS / f"layer-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".json"), "w") as f:
-        json.dump({"command": cmd, "rows": rows}, f, indent=1)
+        json.dump({"command": cmd, "commit": _commit(), "cpu": host_cpu(), "rows": rows}, f, indent=1)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
     with open(out.with_suffix(".md"), "w") as f:
-        f.write(f"`{cmd}`\n\n{md}")
+        f.write(f"`{cmd}`\n\ncommit {_commit()}, {host_cpu()}\n\n{md}")
     print(f"wrote {out}.json/.csv/.md")
     return 0
 

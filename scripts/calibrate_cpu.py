@@ -3,7 +3,7 @@
 Every quantity is measured with all W forked ranks doing the same thing at once (they share
 the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W in ``--worlds``:
 
-- ``attn_flops[dtype]``: ``kernels.attend`` on [1, 4, 1024, 128] Q/K/V, 4*B*h*Lq*Lk*D / time;
+- ``attn_flops[dtype]``: ``kernels.attend`` on [1, 16, 1024, 128] Q/K/V, 4*B*h*Lq*Lk*D / time;
   ``head_dim_efficiency[D]``: bf16 throughput at D relative to D=128 (same Lq*Lk);
   ``query_len_efficiency[Lq]``: bf16 throughput at Lq (1024 keys, D=128) relative to Lq=1024
   (torch's CPU kernel tiles short query blocks by 64 rows: Torus stages run such calls);
@@ -15,13 +15,14 @@ the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W i
   symmetric buffer, barrier_all;
 - ``copy_bw``: a 16 MiB ``copy_``;
 - ``overlap``: attend alone (c), exchange alone (m), both at once (b):
-  ``overlap = 1 - (b - max(c, m)) / m`` (fraction of the exchange's CPU work hidden);
+  ``overlap = 1 - (b - max(c, m)) / min(c, m)`` (fraction of the shorter one hidden: 0 when
+  ``b = c + m``, whichever is longer);
 - ``link_efficiency``: on 4 emulated machines joined by ``--link-mbit`` links (``netns.py``,
   root), every rank pulls 9 blocks of 384 KiB from the other machines in the Torus order
   (shm proxy gets, one FIFO) or exchanges them (p2p, all posted at once) while it computes;
   received bytes/s per machine over the link's rate: ``one_sided`` and ``two_sided``.
 
-Command: /work/venv/bin/python scripts/calibrate_cpu.py [--worlds 4,8] [--reps 7] [--link-mbit 80]
+Command: .venv/bin/python scripts/calibrate_cpu.py [--worlds 4,8] [--reps 7] [--link-mbit 80]
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from xfuser_swiftfusion.comm import make_one_sided, make_two_sided
-from xfuser_swiftfusion.cost_model import CPU_PROFILE_PATH
+from xfuser_swiftfusion.cost_model import CPU_PROFILE_PATH, host_cpu
 from xfuser_swiftfusion.kernels import attend, new_state
 from xfuser_swiftfusion.launcher import run_emulated
 from xfuser_swiftfusion.netns import LinkSpec
@@ -60,7 +61,11 @@ def _timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _attend_time(lq: int, lk: int, d: int, dtype: str, reps: int, h: int = 4) -> float:
+H = 16  # heads per timed attend: each call long enough (~10-50 ms) that time slicing between
+#         ranks sharing a core averages out (at 4 heads, single efficiencies came out at 0.8-1.5)
+
+
+def _attend_time(lq: int, lk: int, d: int, dtype: str, reps: int, h: int = H) -> float:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, h, lq, d, generator=g).to(DT[dtype])
     k, v = (torch.randn(1, h, lk, d, generator=g).to(DT[dtype]) for _ in range(2))
@@ -72,14 +77,14 @@ def _measure(reps: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     L, D = 1024, 128
-    rate = {d: 4 * 4 * L * L * d / _attend_time(L, L, d, "bf16", reps) for d in (32, 64, 128)}
-    flops = {"bf16": rate[D], "fp32": 4 * 4 * L * L * D / _attend_time(L, L, D, "fp32", reps)}
+    rate = {d: 4 * H * L * L * d / _attend_time(L, L, d, "bf16", reps) for d in (32, 64, 128)}
+    flops = {"bf16": rate[D], "fp32": 4 * H * L * L * D / _attend_time(L, L, D, "fp32", reps)}
     eff = {d: r / rate[D] for d, r in rate.items()}
-    q_rate = {lq: 4 * 4 * lq * L * D / _attend_time(lq, L, D, "bf16", reps) for lq in (L, 256, 512, 2048)}
+    q_rate = {lq: 4 * H * lq * L * D / _attend_time(lq, L, D, "bf16", reps) for lq in (L, 256, 512, 2048)}
     q_eff = {lq: r / q_rate[L] for lq, r in q_rate.items()}
     t_small, t_big = _attend_time(64, 16, 128, "bf16", reps), _attend_time(4096, 16, 128, "bf16", reps)
-    merge = (t_big - t_small) / (4 * (4096 - 64) * 128)
-    overhead = max(t_small - merge * 4 * 64 * 128, 0.0)
+    merge = (t_big - t_small) / (H * (4096 - 64) * 128)
+    overhead = max(t_small - merge * H * 64 * 128, 0.0)
 
     node_of = list(range(world))
     two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=60)
@@ -108,7 +113,7 @@ def _measure(reps: int) -> dict:
     s_ov, r_ov = torch.randn(n), torch.empty(n)
     m = _timed(lambda: ex(s_ov, r_ov), reps)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, L, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, H, L, D, generator=g).to(torch.bfloat16)
     st = [new_state(q)]
 
     def both():
@@ -117,7 +122,7 @@ def _measure(reps: int) -> dict:
         attend([q], [(q, q)], st, scale=D ** -0.5)
         th.join()
     b = _timed(both, reps)
-    overlap = min(1.0, max(0.0, 1 - (b - max(c, m)) / m))
+    overlap = min(1.0, max(0.0, 1 - (b - max(c, m)) / min(c, m)))
     one.barrier_all(what="calibrate end")
     one.close()
     two.close()
@@ -194,7 +199,8 @@ def main() -> int:
     link = _median_over_ranks(run_emulated(_link_probe, "4x1", args.reps, args.link_mbit,
                                            timeout_s=900, link=LinkSpec(args.link_mbit)))
     print(f"link efficiency at {args.link_mbit:g} Mbit/s: {link}", flush=True)
-    data = {"command": "/work/venv/bin/python " + " ".join(sys.argv), "cores": os.cpu_count(),
+    data = {"command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+            "cpu": host_cpu(), "cores": os.cpu_count(),
             "torch": torch.__version__, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
             "link_efficiency": link, "runs": runs}
     with open(args.out, "w") as f:

@@ -8,8 +8,8 @@ view); one emulated launch runs the whole batch on every strategy (a launch cost
 so cases are batched). Every rank compares its output rows with an fp64 softmax attention
 written here over the full sequence. Tolerances: fp32 1e-5, bf16/fp16 2e-2.
 
-    /work/venv/bin/python scripts/fuzz.py --examples 200            # 200 launches
-    /work/venv/bin/python scripts/fuzz.py --examples 50 --strategies tas,torus,swiftfusion,usp
+    .venv/bin/python scripts/fuzz.py --examples 200            # 200 launches
+    .venv/bin/python scripts/fuzz.py --examples 50 --strategies tas,torus,swiftfusion,usp
 
 ``tests/test_fuzz.py`` runs a bounded number of launches of the same property in CI.
 """

@@ -2,7 +2,7 @@
 one bar group per point, like the paper's layerwise figures; measured bars (median, whiskers:
 interquartile range of the repetitions) with the cost model's prediction as markers.
 
-Command: /work/venv/bin/python scripts/plot_benchmarks.py benchmarks/results/layer-*.json
+Command: .venv/bin/python scripts/plot_benchmarks.py benchmarks/results/layer-*.json
   [--out benchmarks/results/layer.png]
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ caches reach their steady state), then records its RSS and symmetric-heap bytes,
 and records RSS and heap again. The first output is also compared with an fp64 softmax
 attention written here, so "identical" cannot mean "identically wrong".
 
-    /work/venv/bin/python scripts/soak.py --calls 10000 --strategies tas,torus,swiftfusion,usp \\
+    .venv/bin/python scripts/soak.py --calls 10000 --strategies tas,torus,swiftfusion,usp \\
         --json soak.json
 
 Pass criteria (per strategy, worst rank): RSS growth < 1 %, heap growth 0, 0 differing outputs,

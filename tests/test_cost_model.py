@@ -102,3 +102,19 @@ def test_auto_identical_choice_and_exact():
     choices = {tuple(map(tuple, c)) for c, _, _ in res}
     assert len(choices) == 1 and len(res[0][0]) == 1
     assert max(e for _, e, _ in res) < 1e-5
+
+
+def test_cpu_profile_warns_once_when_measured_on_another_cpu(tmp_path, caplog):
+    """A profile records the CPU it was measured on; used on another CPU it says so (once)."""
+    from xfuser_swiftfusion.cost_model import CPU_PROFILE_PATH, cpu_profile, host_cpu
+    data = json.loads(CPU_PROFILE_PATH.read_text())
+    same, other = tmp_path / "same.json", tmp_path / "other.json"
+    same.write_text(json.dumps({**data, "cpu": host_cpu()}))
+    other.write_text(json.dumps({**data, "cpu": "Some Other CPU (family 1 model 2; avx2)"}))
+    with caplog.at_level("WARNING", logger="xfuser.swiftfusion"):
+        cpu_profile(4, path=same)
+        assert not caplog.records
+        cpu_profile(4, path=other)
+        cpu_profile(8, path=other)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "Some Other CPU" in msgs[0] and "calibrate_cpu.py" in msgs[0]

@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .log import get_logger, log_once
 from .topology import Mesh, Topology, TopologyError, choose_mesh, counted_inter_node_elements
+
+logger = get_logger(__name__)
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
@@ -104,6 +108,25 @@ GPU_PROFILES = {
 PROFILES = (*GPU_PROFILES, "cpu-emulated")
 
 
+def host_cpu() -> str:
+    """This host's CPU as calibration depends on it: model name, family/model and the vector
+    units torch's CPU attention uses (``amx_bf16``, ``avx512f``, ``avx2``)."""
+    fields, flags = {}, set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, val = line.partition(":")
+            key = key.strip()
+            if key == "flags":
+                flags = set(val.split())
+                break
+            fields.setdefault(key, val.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    units = [f for f in ("amx_bf16", "avx512f", "avx2") if f in flags]
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}; {', '.join(units) or 'no avx2'})")
+
+
 def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None = None,
                 path: Path = CPU_PROFILE_PATH) -> HardwareProfile:
     """The calibrated CPU-emulation profile (``scripts/calibrate_cpu.py``) for ``world_size``
@@ -111,6 +134,12 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; run scripts/calibrate_cpu.py to measure it")
     data = json.loads(path.read_text())
+    here = host_cpu()
+    if data.get("cpu") != here:
+        log_once(logger, f"cpu-profile-host:{path}",
+                 f"{path.name} was measured on {data.get('cpu', 'an unrecorded CPU')}, this host is "
+                 f"{here}: attention rates can differ several times between CPUs, so predictions "
+                 "and auto's choice may be off; run scripts/calibrate_cpu.py on this host")
     runs = data["runs"]
     w = min(runs, key=lambda k: (abs(int(k) - world_size), int(k)))
     m = runs[w]

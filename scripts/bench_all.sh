@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every table and plot of BENCHMARKS.md, back to back (root: throttled links; ~50 min on the
+# 2-core development machine). Run from the repository root on a quiet host:
+#   scripts/bench_all.sh            # PY=.venv/bin/python by default
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+SF=$(dirname "$PY")/swiftfusion
+R=benchmarks/results
+layer() { "$PY" scripts/bench_layer.py --heads 12 --head-dims 64 "$@"; }
+
+# CALIBRATE=0: keep the committed cpu_profile.json (tables then name a clean commit)
+[ "${CALIBRATE:-1}" = 0 ] || "$PY" scripts/calibrate_cpu.py --worlds 4,8 --reps 15
+layer --topologies 4x1,4x2 --seq 16384 --reps 7 --link-mbit 80 --out $R/layer-A-L16384-80mbit
+layer --topologies 4x1,4x2 --seq 16384 --reps 5 --link-mbit 2000 --out $R/layer-C-L16384-2000mbit
+layer --topologies 2x2,3x2 --seq 16384 --reps 5 --link-mbit 80 --out $R/layer-E-machines-80mbit
+layer --topologies 4x2 --seq 16384 --head-dims 32,128 --reps 5 --link-mbit 80 --out $R/layer-E-headdim-80mbit
+layer --topologies 4x1,4x2 --seq 4096,8192 --reps 5 --link-mbit 80 --out $R/layer-E-seq-80mbit
+layer --topologies 4x1,4x2 --seq 8192 --batches 2,4 --reps 5 --link-mbit 80 --out $R/layer-E-batch-80mbit
+"$PY" scripts/plot_benchmarks.py $R/layer-A-L16384-80mbit.json $R/layer-C-L16384-2000mbit.json --out benchmarks/layer-A-C.png
+"$PY" scripts/plot_benchmarks.py $R/layer-E-machines-80mbit.json $R/layer-A-L16384-80mbit.json $R/layer-E-headdim-80mbit.json \
+    $R/layer-E-seq-80mbit.json $R/layer-E-batch-80mbit.json --out benchmarks/layer-sweep.png
+
+for model in tiny-flux tiny-cogvideox; do
+  for topo in 2x2 4x2; do
+    "$SF" compare --model $model --emulate $topo --repeats 5 --steps 3 \
+        --json $R/e2e-$model-$topo.json --plot benchmarks/e2e-$model-$topo.png
+    "$SF" compare --model $model --emulate $topo --repeats 5 --steps 3 --link-mbit 80 \
+        --json $R/e2e-$model-$topo-80mbit.json --plot benchmarks/e2e-$model-$topo-80mbit.png
+  done
+done
