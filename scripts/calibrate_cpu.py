@@ -7,6 +7,8 @@ the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W i
   ``head_dim_efficiency[D]``: bf16 throughput at D relative to D=128 (same Lq*Lk);
   ``query_len_efficiency[Lq]``: bf16 throughput at Lq (1024 keys, D=128) relative to Lq=1024
   (torch's CPU kernel tiles short query blocks by 64 rows: Torus stages run such calls);
+  ``key_len_efficiency[Lk]``: bf16 throughput at Lk (Lq=1024, D=64) relative to Lk=1024
+  (longer calls run faster: at L = 16384 the layer's calls have 4096-16384 keys);
 - ``attend_overhead_s``, ``merge_s_per_elem``: attend against 16 keys at Lq=64 and Lq=4096
   (fit: overhead + merge * B*h*Lq*D);
 - ``gloo_bw``/``gloo_latency_s``: P2PCommunicator.exchange between rank pairs (4 MiB / 4 B,
@@ -82,6 +84,8 @@ def _measure(reps: int) -> dict:
     eff = {d: r / rate[D] for d, r in rate.items()}
     q_rate = {lq: 4 * H * lq * L * D / _attend_time(lq, L, D, "bf16", reps) for lq in (L, 256, 512, 2048)}
     q_eff = {lq: r / q_rate[L] for lq, r in q_rate.items()}
+    k_rate = {lk: 4 * H * L * lk * 64 / _attend_time(L, lk, 64, "bf16", reps) for lk in (L, 4096, 16384)}
+    k_eff = {lk: r / k_rate[L] for lk, r in k_rate.items()}
     t_small, t_big = _attend_time(64, 16, 128, "bf16", reps), _attend_time(4096, 16, 128, "bf16", reps)
     merge = (t_big - t_small) / (H * (4096 - 64) * 128)
     overhead = max(t_small - merge * H * 64 * 128, 0.0)
@@ -127,6 +131,7 @@ def _measure(reps: int) -> dict:
     one.close()
     two.close()
     return {"attn_flops": flops, "head_dim_efficiency": eff, "query_len_efficiency": q_eff,
+            "key_len_efficiency": k_eff,
             "attend_overhead_s": overhead,
             "merge_s_per_elem": merge, "gloo_bw": gloo_bw, "gloo_latency_s": gloo_lat,
             "shm_bw": shm_bw, "shm_latency_s": shm_lat, "barrier_s": barrier, "copy_bw": copy_bw,

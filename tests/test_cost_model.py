@@ -45,6 +45,21 @@ def test_more_bandwidth_is_not_slower():
             assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, field)
 
 
+def test_key_length_efficiency_scales_attention_time():
+    """A profile whose kernel runs twice as fast on long key sets predicts half the attention
+    FLOP time for a layer whose calls have long key sets (usp on 1x4 is Ulysses: all 32768
+    queries against all 32768 keys on H/4 heads), and none for 2048 keys (nearest entry: 1024)."""
+    topo, w = Topology(1, 4), Workload(1, 32768, 8, 64)
+    slow = dataclasses.replace(P4DE, attn_flops={"bf16": 1e12, "fp32": 1e11}, attend_overhead_s=0.0,
+                               merge_s_per_elem=0.0)
+    fast_long = dataclasses.replace(slow, key_len_efficiency={1024: 1.0, 16384: 2.0})
+    base, fast = (predict("usp", topo, w, p).compute_s for p in (slow, fast_long))
+    assert fast == pytest.approx(base / 2, rel=1e-9)
+    short = Workload(1, 2048, 8, 64)  # 2048 keys: nearer 1024 on a log scale
+    assert predict("usp", topo, short, fast_long).compute_s == pytest.approx(
+        predict("usp", topo, short, slow).compute_s, rel=1e-9)
+
+
 def test_torus_overlap_beats_tas_when_compute_dominates():
     topo = Topology(4, 8)
     slow_compute = dataclasses.replace(P4DE, attn_flops={"bf16": 20e12, "fp32": 2e12})

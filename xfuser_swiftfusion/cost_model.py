@@ -72,11 +72,16 @@ class HardwareProfile:
     # Lq -> throughput relative to Lq = 1024 (the CPU kernel tiles queries by 64 rows below
     # Lq = 768, by 256 above); empty: no dependence on the query length
     query_len_efficiency: dict[int, float] = field(default_factory=dict)
+    # Lk -> throughput relative to Lk = 1024 (Lq = 1024, D = 64: the CPU kernel's per-row-block
+    # costs spread over more keys); empty: no dependence on the key length
+    key_len_efficiency: dict[int, float] = field(default_factory=dict)
 
-    def flops(self, dtype: str, head_dim: int, lq: int | None = None) -> float:
+    def flops(self, dtype: str, head_dim: int, lq: int | None = None, lk: int | None = None) -> float:
         e = _nearest(self.head_dim_efficiency, head_dim)
         if lq and self.query_len_efficiency:
             e *= _nearest(self.query_len_efficiency, lq)
+        if lk and self.key_len_efficiency:
+            e *= _nearest(self.key_len_efficiency, lk)
         return self.attn_flops["bf16" if dtype == "fp16" else dtype] * e
 
 
@@ -160,6 +165,7 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
         attn_flops={k: v * share for k, v in m["attn_flops"].items()},
         head_dim_efficiency={int(k): v for k, v in m["head_dim_efficiency"].items()},
         query_len_efficiency={int(k): v for k, v in m["query_len_efficiency"].items()},
+        key_len_efficiency={int(k): v for k, v in m.get("key_len_efficiency", {}).items()},
         attend_overhead_s=m["attend_overhead_s"] / share, merge_s_per_elem=m["merge_s_per_elem"] / share,
         copy_bw=m["copy_bw"] * share, comm_cpu_bw=m["gloo_bw"] * share, overlap=m["overlap"],
         source=data["command"])
@@ -229,7 +235,7 @@ class _Model:
     # -- compute
     def attend(self, lq: int, lk: int) -> float:
         w, p = self.w, self.p
-        t = (4 * w.batch * self.h * lq * lk * w.head_dim / p.flops(w.dtype, w.head_dim, lq)
+        t = (4 * w.batch * self.h * lq * lk * w.head_dim / p.flops(w.dtype, w.head_dim, lq, lk)
              + p.attend_overhead_s + w.batch * self.h * lq * w.head_dim * p.merge_s_per_elem)
         self.compute += t
         return t
