@@ -386,14 +386,15 @@ def main() -> int:
         return 0
     out = Path(a.out) if a.out else RESULTS / f"layer-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    commit = _commit()
     with open(out.with_suffix(".json"), "w") as f:
-        json.dump({"command": cmd, "commit": _commit(), "cpu": host_cpu(), "rows": rows}, f, indent=1)
+        json.dump({"command": cmd, "commit": commit, "cpu": host_cpu(), "rows": rows}, f, indent=1)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
     with open(out.with_suffix(".md"), "w") as f:
-        f.write(f"`{cmd}`\n\ncommit {_commit()}, {host_cpu()}\n\n{md}")
+        f.write(f"`{cmd}`\n\ncommit {commit}, {host_cpu()}\n\n{md}")
     print(f"wrote {out}.json/.csv/.md")
     return 0
 

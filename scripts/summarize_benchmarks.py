@@ -33,13 +33,12 @@ STRATS = ("usp", "tas", "torus", "swiftfusion")
 
 
 def _point_row(rows: dict[str, dict]) -> str:
-    usp, sf, tas, torus = (rows[s] for s in STRATS[:1] + STRATS[3:] + STRATS[1:3])
-    r0 = usp
+    usp, tas, torus, sf = (rows[s] for s in STRATS)
     paired = [u / s for u, s in zip(usp["latency_reps_s"], sf["latency_reps_s"])]
     wins = sum(p > 1 for p in paired)
-    link = r0["link"]
+    link = usp["link"]
     if link:
-        nominal = sf["formula_total_bytes"] / Topology.parse(r0["topo"]).nodes / (link * 1e6 / 8)
+        nominal = sf["formula_total_bytes"] / Topology.parse(usp["topo"]).nodes / (link * 1e6 / 8)
         measured = usp["exposed_s"] * sf["inter_bytes"] / usp["inter_bytes"]
         hidden = (f"{100 * (1 - sf['exposed_s'] / nominal):.0f}% of {nominal * 1e3:.0f} / "
                   f"{100 * (1 - sf['exposed_s'] / measured):.0f}% of {measured * 1e3:.0f} ms")
@@ -51,7 +50,7 @@ def _point_row(rows: dict[str, dict]) -> str:
     auto = rows.get("auto")
     auto_s = f"{auto['latency_s'] / best:.2f}x ({auto['ran_as'].removeprefix('auto->')})" if auto else "-"
     errs = [r["error_pct"] for r in rows.values()]
-    return (f"| {r0['topo']} | {link or 'loopback'} | {r0['B']} | {r0['L']} | {r0['D']} | "
+    return (f"| {usp['topo']} | {link or 'loopback'} | {usp['B']} | {usp['L']} | {usp['D']} | "
             f"{usp['latency_s'] / sf['latency_s']:.2f}x ({statistics.median(paired):.2f}, {wins}/{len(paired)}) | "
             f"{tas['latency_s'] / torus['latency_s']:.2f}x | {hidden} | {qdisc_s} | "
             f"{sf['peak_rss'] / usp['peak_rss']:.2f}x | {auto_s} | {min(errs):+.0f}..{max(errs):+.0f}% |\n")
