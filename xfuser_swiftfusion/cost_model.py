@@ -32,6 +32,7 @@ Inter-machine bytes per rank equal ``topology.counted_inter_node_elements`` (che
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
@@ -113,18 +114,20 @@ GPU_PROFILES = {
 PROFILES = (*GPU_PROFILES, "cpu-emulated")
 
 
+@functools.cache
 def host_cpu() -> str:
     """This host's CPU as calibration depends on it: model name, family/model and the vector
-    units torch's CPU attention uses (``amx_bf16``, ``avx512f``, ``avx2``)."""
+    units torch's CPU attention uses (``amx_bf16``, ``avx512f``, ``avx2``). Read once."""
     fields, flags = {}, set()
     try:
-        for line in open("/proc/cpuinfo"):
-            key, _, val = line.partition(":")
-            key = key.strip()
-            if key == "flags":
-                flags = set(val.split())
-                break
-            fields.setdefault(key, val.strip())
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "flags":
+                    flags = set(val.split())
+                    break
+                fields.setdefault(key, val.strip())
     except OSError:
         return platform.processor() or platform.machine()
     units = [f for f in ("amx_bf16", "avx512f", "avx2") if f in flags]
