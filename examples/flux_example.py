@@ -11,15 +11,31 @@ CPU (tiny model with the real architecture, emulated 2 machines x 2 GPUs):
 
     python examples/flux_example.py --emulate 2x2 --sp-strategy swiftfusion
 
-Flags are xFuser's (``xFuserArgs``) plus ``--sp-strategy {usp,tas,torus,swiftfusion,auto}``,
+The flow is xFuser's (``sp_example_common.py`` beside this file). Flags are xFuser's
+(``xFuserArgs``) plus ``--sp-strategy {usp,tas,torus,swiftfusion,auto}``,
 ``--emulate NxM`` and ``--topology NxM``. The last rank prints xFuser's
 ``epoch time: X sec, parameter memory: P GB, memory: Y GB`` line.
 """
-from xfuser_swiftfusion.models.parallel import launch_example
+from __future__ import annotations
+
+import functools
+
+from sp_example_common import launch, parse_args, run
+
+from xfuser_swiftfusion.tools.models.parallel import parallelize_flux
+
+KIND = "flux"
+CPU_SIZES = dict(height=48, width=48)  # the tiny checkpoint: 9 image tokens per rank on 2x2
 
 
-def main() -> None:
-    launch_example("flux")
+def save(image, stem: str) -> str:
+    image.save(f"{stem}.png")
+    return f"{stem}.png"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args("xFuser FLUX.1 example with SwiftFusion sequence parallelism", CPU_SIZES, argv)
+    launch(KIND, functools.partial(run, KIND, parallelize_flux, save, 1), args)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ edit("xfuser/config/args.py",
             init_distributed_environment()
         if self.sp_strategy:
             # Route USP to the strategy and build the groups for its mesh (and degrees).
-            from xfuser_swiftfusion.xfuser_plugin import route_sp_strategy
+            from xfuser_swiftfusion.integrations.xfuser import route_sp_strategy
 
             self.ulysses_degree, self.ring_degree = route_sp_strategy(self)
 '''))
@@ -82,7 +82,7 @@ edit("xfuser/cli.py",
 ''', '''    if torchrun_values["--nproc_per_node"] is None:
         nproc = get_nproc_from_args(runner_args)
         if any(a.startswith(("--sp_strategy", "--sp-strategy")) for a in runner_args):
-            from xfuser_swiftfusion.xfuser_plugin import PluginError, xdit_nproc
+            from xfuser_swiftfusion.integrations.xfuser import PluginError, xdit_nproc
             try:
                 nproc = xdit_nproc(runner_args + ["--nnodes", torchrun_values["--nnodes"]], nproc)
             except (PluginError, ValueError) as e:

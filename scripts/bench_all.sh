@@ -2,6 +2,8 @@
 # Every table and plot of BENCHMARKS.md, back to back (root: throttled links; ~55 min on the
 # 2-core development machine). Run from the repository root on a quiet host:
 #   scripts/bench_all.sh            # PY=.venv/bin/python by default
+# Results are JSON only (benchmarks/results/); plots go to benchmarks/; the targets table
+# (docs/benchmark-misses.md) is printed at the end of the layer runs.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SF=$(dirname "$PY")/swiftfusion
@@ -21,7 +23,7 @@ layer --topologies 4x1,4x2 --seq 8192 --batches 2,4 --reps 5 --link-mbit 80 --ou
     $R/layer-C-L16384-2000mbit.json --out benchmarks/layer-A-B-C.png
 "$PY" scripts/plot_benchmarks.py $R/layer-E-machines-80mbit.json $R/layer-A-L16384-80mbit.json $R/layer-E-headdim-80mbit.json \
     $R/layer-E-seq-80mbit.json $R/layer-E-batch-80mbit.json --out benchmarks/layer-sweep.png
-"$PY" scripts/summarize_benchmarks.py $R/layer-*.json > $R/targets.md
+"$PY" scripts/summarize_benchmarks.py $R/layer-*.json
 
 for model in tiny-flux tiny-cogvideox; do
   for topo in 2x2 4x2; do

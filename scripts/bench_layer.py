@@ -13,9 +13,10 @@ within each repetition in an order rotated by one per repetition, medians over `
 - ``exposed`` = latency - compute;
 - ``latency_cpu``/``compute_cpu``: process CPU seconds (all threads) summed over ranks, median;
   their difference is the CPU work communication adds (on a shared host it costs wall time);
-- ``inter_bytes``: per rank per call, max over ranks, from ``ctx.stats()`` (usp: counted by
-  ``topology.counted_inter_node_elements``, xFuser's USP bypasses our communicators); with
-  ``--link`` also the kernel qdisc bytes sent by all machines per call (headers included);
+- ``inter_bytes``: per rank per call, max over ranks, from ``ctx.stats()``; for a strategy
+  on external groups (usp: xFuser's own collectives bypass our communicators) counted by
+  ``mesh.counted_inter_node_elements`` instead; with ``--link-mbit`` also the kernel qdisc
+  bytes sent by all machines per call (headers included);
 - ``peak_rss``: the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs
   after the first call) during the strategy's second call, over its RSS before the first,
   max over ranks: what the strategy keeps between calls for this shape (symmetric/receive
@@ -33,10 +34,14 @@ within each repetition in an order rotated by one per repetition, medians over `
   RSS too; they are another GPU's memory on a real cluster, so they are taken out
   (``_peer_heap_rss``, from /proc/self/smaps: constant during the second call, since the
   first one touched them all);
-- ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile.
+- ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile, for the
+  strategy and Ulysses degree that ran (auto: its pick).
 
 ``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
 against ``counted_inter_node_elements`` on small shapes (CI).
+
+Output: the table on stdout; without ``--quick`` also ``<out>.json`` (command, commit, CPU and
+one row per point and strategy), the only stored result format (docs/benchmark-method.md).
 
 Command (see BENCHMARKS.md): .venv/bin/python scripts/bench_layer.py [--quick]
   [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import csv
 import json
 import math
 import os
@@ -64,14 +68,14 @@ import xfuser_swiftfusion as sf
 from xfuser_swiftfusion import kernels
 from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, host_cpu, predict
 from xfuser_swiftfusion.kernels import new_state
-from xfuser_swiftfusion.comm.shm import PREFIX, SHM_DIR
-from xfuser_swiftfusion.launcher import run_emulated
-from xfuser_swiftfusion.netns import add_link_argument, link_from_args
-from xfuser_swiftfusion.strategies import ring as ring_mod, tas as tas_mod, torus as torus_mod
-from xfuser_swiftfusion.topology import Topology, choose_mesh, counted_inter_node_elements
+from xfuser_swiftfusion.emulation.shm import PREFIX, SHM_DIR
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.emulation.netns import add_link_argument, link_from_args
+from xfuser_swiftfusion.strategies import get, names, ring as ring_mod, tas as tas_mod, torus as torus_mod
+from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
+from xfuser_swiftfusion.topology import Topology
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
-STRATS = ("usp", "tas", "torus", "swiftfusion", "auto")
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
@@ -188,13 +192,13 @@ def reference(q, k, v) -> torch.Tensor:
 
 
 def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
-    """Every strategy's context for ``pt``'s heads (usp first: xFuser's USP state exists once
-    per process, at usp's default degrees; auto then may pick usp only at those degrees, as
-    inside an xFuser run), each run twice on 8 tokens per rank: the process's one-time costs
-    are paid before any peak is measured."""
+    """Every strategy's context for ``pt``'s heads (strategies on external groups first: xFuser's
+    USP state exists once per process, at usp's default degrees; auto then may pick usp only at
+    those degrees, as inside an xFuser run), each run twice on 8 tokens per rank: the process's
+    one-time costs are paid before any peak is measured."""
     x = torch.randn(1, pt["H"], 8, pt["D"]).to(DT[pt["dtype"]])
     ctxs = {}
-    for s in sorted(strategies, key=lambda s: s != "usp"):
+    for s in sorted(strategies, key=lambda s: not get(s).external_groups):
         ctxs[s] = ctx = sf.init_sequence_parallel(s, pt["H"], timeout_s=600)
         for _ in range(2):
             ctx.attention(x, x, x)
@@ -202,7 +206,7 @@ def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
 
 
 def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool) -> list[dict]:
-    from xfuser_swiftfusion.netns import current_network, qdisc_bytes
+    from xfuser_swiftfusion.emulation.netns import current_network, qdisc_bytes
     rank, world = dist.get_rank(), dist.get_world_size()
     net = current_network()
     rows = []
@@ -233,27 +237,28 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             r = res[s]
             r["inter_bytes"] = all_max(ctx.stats()["inter_node_bytes"])
             r["qdisc_bytes"] = sum(qd1.values()) - sum(qd0.values()) if qd0 is not None else None
-            r["ran_as"] = ctx.strategy
+            # what ran: the context's strategy (after its fallback), or the pick of a strategy
+            # that chooses per shape (auto: its impl records ``choices``), on the pick's mesh
+            mesh, ran, r["ran_as"] = ctx.mesh, get(ctx.strategy), ctx.strategy
             inner = getattr(ctx._impl, "choices", None)
             if inner:
-                r["ran_as"] = "auto->{}U{}".format(*list(inner.values())[-1])
-            mesh = ctx.mesh
-            if s == "auto" and inner:
-                choice = list(inner.values())[-1]
-                mesh = choose_mesh(ctx.topology, H, "usp" if choice[0] == "usp" else "tas", choice[1])
-            r["calls"] = recd.calls or usp_calls(mesh, B, L, H, D, DT[dt])
-            ran = list(inner.values())[-1][0] if inner else ctx.strategy
-            counted = counted_inter_node_elements(mesh, B, L, H, D, "pull" if ran == "swiftfusion" else "pass")
+                name, ulysses = list(inner.values())[-1]
+                r["ran_as"] = f"{ctx.strategy}->{name}U{ulysses}"
+                mesh = choose_mesh(ctx.topology, H, get(name).placement, ulysses)
+                ran = get(name).resolve(mesh, log=False)
+            r["ran"], r["ulysses"] = ran.name, mesh.ulysses
+            # external groups (xFuser's USP) do not call ``attend``: replay its work from the mesh
+            r["calls"] = usp_calls(mesh, B, L, H, D, DT[dt]) if ran.external_groups else recd.calls
+            counted = counted_inter_node_elements(mesh, B, L, H, D, ran.ring)
             r["formula_total_bytes"] = sum(counted) * BYTES[dt]  # all ranks: compare with qdisc
-            if ran == "usp":
+            if ran.external_groups:  # e.g. xFuser's USP: its collectives bypass our byte counters
                 r["inter_bytes"] = max(counted) * BYTES[dt]
             if quick:
                 r["err"] = all_max((out.double() - ref).abs().max().item())
-                if ran == "usp":  # xFuser's USP bypasses our byte counters
+                if ran.external_groups:
                     r["bytes_ok"] = None
                 else:
-                    kind = "pull" if ran == "swiftfusion" else "pass"
-                    want = counted_inter_node_elements(mesh, B, L, H, D, kind)[rank] * BYTES[dt]
+                    want = counted[rank] * BYTES[dt]
                     r["bytes_ok"] = all_max(ctx.stats()["inter_node_bytes"] != want) == 0
             del out
             with open("/proc/self/clear_refs", "w") as f:
@@ -273,7 +278,8 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
                         res[s][kind + "_cpu"].append(cpu)
         for s in strategies:
             r = res[s]
-            row = {**pt, "strategy": s, "ran_as": r["ran_as"], "inter_bytes": r["inter_bytes"],
+            row = {**pt, "strategy": s, "ran_as": r["ran_as"], "ran": r["ran"], "ulysses": r["ulysses"],
+                   "inter_bytes": r["inter_bytes"],
                    "qdisc_bytes": r["qdisc_bytes"], "formula_total_bytes": r["formula_total_bytes"],
                    "peak_rss": r["peak_rss"]}
             if quick:
@@ -297,10 +303,7 @@ def _predict(rows: list[dict], topo: Topology, link_mbit: float | None) -> None:
         if "latency_s" not in r:
             continue
         w = Workload(r["B"], r["L"], r["H"], r["D"], r["dtype"])
-        name = r["strategy"]
-        if name == "auto":
-            name = r["ran_as"].split("->")[1].split("U")[0]
-        p = predict(name, topo, w, prof)
+        p = predict(r["ran"], topo, w, prof, r["ulysses"])
         r["predicted_s"] = p.latency_s
         r["predicted_compute_s"] = p.compute_s
         r["error_pct"] = 100 * (p.latency_s - r["latency_s"]) / r["latency_s"]
@@ -347,10 +350,11 @@ def main() -> int:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--dtype", default=None, choices=sorted(DT))
-    ap.add_argument("--strategies", default=",".join(STRATS))
+    ap.add_argument("--strategies", default=",".join(names()))
     ap.add_argument("--reps", type=int, default=5)
     add_link_argument(ap)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="result path; .json is added (default: benchmarks/results/layer-<time>)")
     a = ap.parse_args()
     if a.reps < 5 and not a.quick:
         ap.error("--reps must be >= 5 (medians)")
@@ -387,15 +391,10 @@ def main() -> int:
     out = Path(a.out) if a.out else RESULTS / f"layer-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = _commit()
-    with open(out.with_suffix(".json"), "w") as f:
+    path = out.with_suffix(".json")
+    with open(path, "w") as f:
         json.dump({"command": cmd, "commit": commit, "cpu": host_cpu(), "rows": rows}, f, indent=1)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    with open(out.with_suffix(".md"), "w") as f:
-        f.write(f"`{cmd}`\n\ncommit {commit}, {host_cpu()}\n\n{md}")
-    print(f"wrote {out}.json/.csv/.md")
+    print(f"wrote {path}")
     return 0
 
 

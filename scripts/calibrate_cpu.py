@@ -42,8 +42,8 @@ import torch.distributed as dist
 from xfuser_swiftfusion.comm import make_one_sided, make_two_sided
 from xfuser_swiftfusion.cost_model import CPU_PROFILE_PATH, host_cpu
 from xfuser_swiftfusion.kernels import attend, new_state
-from xfuser_swiftfusion.launcher import run_emulated
-from xfuser_swiftfusion.netns import LinkSpec
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.emulation.netns import LinkSpec
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -91,7 +91,7 @@ def _measure(reps: int) -> dict:
     overhead = max(t_small - merge * H * 64 * 128, 0.0)
 
     node_of = list(range(world))
-    two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=60)
+    two = make_two_sided(rank=rank, world_size=world, node_of=node_of, timeout_s=60)
     big, tiny = torch.randn(1 << 20), torch.randn(1)  # 4 MiB fp32
     rbig, rtiny = torch.empty_like(big), torch.empty_like(tiny)
     ex = lambda s, r: two.exchange([(s, peer)], [(r, peer)], what="calibrate").wait()  # noqa: E731
@@ -146,7 +146,7 @@ def _link_probe(reps: int, rate_mbit: float) -> dict:
     n = 3 << 16  # 384 KiB of bf16
     ks = [k for _ in range(3) for k in range(1, world)]  # Q, K, V of every stage k
     one = make_one_sided("shm", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
-    two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=120)
+    two = make_two_sided(rank=rank, world_size=world, node_of=node_of, timeout_s=120)
     src = one.symmetric_empty((n,), torch.bfloat16)
     dst = one.symmetric_empty((len(ks), n), torch.bfloat16).unbind(0)  # symmetric: across machines
     send = torch.randn(n).to(torch.bfloat16)

@@ -8,7 +8,6 @@ Two ranks on two machines (2x1) move ``--mib`` MiB across the link in five ways,
 - ``gloo 0->1``: one direction, ``P2PCommunicator`` on the default group;
 - ``gloo 0<->1 one group``: both directions at once on one process group (gloo shares one
   socket per rank pair: DESIGN.md section 5 measured half the throughput each way);
-- ``gloo 0<->1 directional``: both at once, ``P2PCommunicator(directional=True)``;
 - ``gloo all_to_all_single``: both at once through gloo's own collective;
 - ``proxy get 0<-1``: one-sided get through the shm backend's proxy (comm/proxy.py);
 - ``proxy get 0<->1``: both ranks get from each other at once.
@@ -26,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from xfuser_swiftfusion.comm import make_one_sided, make_two_sided
-from xfuser_swiftfusion.launcher import run_emulated
-from xfuser_swiftfusion.netns import LinkSpec, current_network, qdisc_bytes
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.emulation.netns import LinkSpec, current_network, qdisc_bytes
 
-WAYS = ("gloo 0->1", "gloo 0<->1 one group", "gloo 0<->1 directional", "gloo all_to_all_single",
+WAYS = ("gloo 0->1", "gloo 0<->1 one group", "gloo all_to_all_single",
         "proxy get 0<-1", "proxy get 0<->1")
 
 
@@ -37,8 +36,7 @@ def _rank(mib: int, reps: int) -> dict:
     me, other = dist.get_rank(), 1 - dist.get_rank()
     n = mib * 2 ** 20 // 4  # float32 elements
     kw = dict(rank=me, world_size=2, node_of=[0, 1], timeout_s=120.0)
-    plain = make_two_sided("p2p", directional=False, **kw)
-    directional = make_two_sided("p2p", directional=True, **kw)
+    plain = make_two_sided(**kw)
     one = make_one_sided("shm", **kw)
     sym, got = (one.symmetric_empty((n,), torch.float32) for _ in range(2))  # got: across machines
     sym.fill_(float(me))                                                  # gets need it symmetric
@@ -54,9 +52,8 @@ def _rank(mib: int, reps: int) -> dict:
             both, out = torch.cat([send, send]), torch.empty(2 * n)
             dist.all_to_all_single(out, both)
             plain.counter.count(other, n * 4)
-        elif way.startswith("gloo 0<->1"):
-            comm = plain if way.endswith("one group") else directional
-            comm.exchange([(send, other)], [(recv, other)], what=way).wait()
+        elif way == "gloo 0<->1 one group":
+            plain.exchange([(send, other)], [(recv, other)], what=way).wait()
         elif way == "proxy get 0<-1":
             if me == 0:
                 one.get(got, sym, 1, queue="other", what=way).wait()
@@ -73,8 +70,7 @@ def _rank(mib: int, reps: int) -> dict:
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             times[way].append(float(mine))
     one.barrier_all(what="done")
-    counted = torch.tensor([plain.counter.inter_node_bytes + directional.counter.inter_node_bytes
-                            + one.counter.inter_node_bytes], dtype=torch.int64)
+    counted = torch.tensor([plain.counter.inter_node_bytes + one.counter.inter_node_bytes], dtype=torch.int64)
     dist.all_reduce(counted)
     after = qdisc_bytes(current_network()) if me == 0 else None
     one.close()

@@ -3,7 +3,11 @@ one bar group per point, like the paper's layerwise figures; measured bars (medi
 interquartile range of the repetitions) with the cost model's prediction as markers.
 
 Command: .venv/bin/python scripts/plot_benchmarks.py benchmarks/results/layer-*.json
-  [--out benchmarks/results/layer.png]
+  [--out benchmarks/layer.png]
+
+The results folder holds JSON only: the plot goes to ``benchmarks/`` (default: the first
+result's name with ``.png``). Strategies appear in the order the results list them; usp is the
+baseline every bar is normalised to.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ("usp", "tas", "torus", "swiftfusion", "auto")
+BASELINE = "usp"  # xFuser's own USP: the bars are latency / its latency
+PLOTS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def main() -> int:
@@ -29,8 +34,8 @@ def main() -> int:
     rows = [r for f in a.results for r in json.load(open(f))["rows"] if "latency_s" in r]
     key = lambda r: (r["topo"], r["link"] or 0, r["B"], r["L"], r["D"])  # noqa: E731
     points = sorted({key(r) for r in rows})
-    usp = {key(r): r for r in rows if r["strategy"] == "usp"}
-    strategies = [s for s in ORDER if any(r["strategy"] == s for r in rows)]
+    usp = {key(r): r for r in rows if r["strategy"] == BASELINE}
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))  # bench_layer's order
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(points)), 3.6))
     width = 0.8 / len(strategies)
     for i, s in enumerate(strategies):
@@ -54,11 +59,11 @@ def main() -> int:
     ax.set_xticks(range(len(points)))
     ax.set_xticklabels([f"{t}\n{'%g Mbit' % ln if ln else 'loopback'}\nB{b} L{L} D{d}"
                         for t, ln, b, L, d in points], fontsize=8)
-    ax.set_ylabel("latency / usp latency")
+    ax.set_ylabel(f"latency / {BASELINE} latency")
     ax.legend(fontsize=7, ncol=3)
     ax.set_title("Attention layer on the emulated cluster (median)")
     fig.tight_layout()
-    out = Path(a.out) if a.out else Path(a.results[0]).with_suffix(".png")
+    out = Path(a.out) if a.out else PLOTS / (Path(a.results[0]).stem + ".png")
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,5 @@
-"""The issue-6 targets per benchmark point, from ``scripts/bench_layer.py`` JSON results.
+"""The targets per benchmark point, from ``scripts/bench_layer.py`` JSON results, as a
+markdown table on stdout (docs/benchmark-misses.md quotes it).
 
 One row per point (topology, link, B, L, H, D), columns as the targets are stated:
 
@@ -29,7 +30,7 @@ import sys
 
 from xfuser_swiftfusion.topology import Topology
 
-STRATS = ("usp", "tas", "torus", "swiftfusion")
+STRATS = ("usp", "tas", "torus", "swiftfusion")  # the table's columns (usp: the baseline)
 
 
 def _point_row(rows: dict[str, dict]) -> str:
@@ -71,7 +72,7 @@ def summarize(paths: list[str]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+")
+    ap.add_argument("results", nargs="+", help="bench_layer.py JSON files")
     print(summarize(ap.parse_args().results), end="")
     return 0
 

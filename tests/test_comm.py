@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from xfuser_swiftfusion.comm import (CommTimeout, PeerFailure, make_one_sided, make_two_sided)
 from xfuser_swiftfusion.comm import nvshmem as nv
-from xfuser_swiftfusion.launcher import EmulationError, run_emulated
+from xfuser_swiftfusion.emulation.launcher import EmulationError, run_emulated
 from xfuser_swiftfusion.topology import TOPOLOGY_ENV, Topology
 
 TOPO = "2x2"
@@ -35,9 +35,9 @@ def _one_sided(timeout_s: float = 20.0):
                           node_of=_node_of(), timeout_s=timeout_s)
 
 
-def _two_sided(directional: bool, timeout_s: float = 20.0):
-    return make_two_sided("p2p", rank=dist.get_rank(), world_size=dist.get_world_size(),
-                          node_of=_node_of(), timeout_s=timeout_s, directional=directional)
+def _two_sided(timeout_s: float = 20.0):
+    return make_two_sided(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                          node_of=_node_of(), timeout_s=timeout_s)
 
 
 def _our_shm_files(prefix: str) -> list[str]:
@@ -170,7 +170,7 @@ def test_copy_queue_keeps_two_requests_in_flight_and_completes_in_order():
     """Proxy requests of one kind overlap (the second is sent before the first's reply is
     received), never more than two; a local copy or a request of the other kind waits for
     those in flight; completion (``done``) stays in submission order, also after a failure."""
-    from xfuser_swiftfusion.comm.shm import _IN_FLIGHT, _CopyQueue
+    from xfuser_swiftfusion.emulation.shm import _IN_FLIGHT, _CopyQueue
 
     assert _IN_FLIGHT == 2
     log: list[str] = []
@@ -364,9 +364,9 @@ def test_shm_dead_peer_fails_others_fast_and_leaves_no_files(mode, tmp_path):
 
 # -- p2p -----------------------------------------------------------------------------------
 
-def _p2p(directional: bool) -> dict:
+def _p2p() -> dict:
     me = dist.get_rank()
-    comm = _two_sided(directional)
+    comm = _two_sided()
     nxt, prv, opp = (me + 1) % W, (me - 1) % W, (me + 2) % W
     recv_prev = torch.zeros(3, 4, dtype=torch.float64).t()  # non-contiguous target
     recv_opp = [torch.zeros(5, dtype=torch.float64) for _ in range(2)]
@@ -390,9 +390,8 @@ def _p2p(directional: bool) -> dict:
     return {"ok": ok, "a2a": results, "counts": counts, "exp": exp}
 
 
-@pytest.mark.parametrize("directional", [False, True])
-def test_p2p_exchange_all_to_all_and_counters(directional):
-    res = run_emulated(_p2p, TOPO, directional, timeout_s=60)
+def test_p2p_exchange_all_to_all_and_counters():
+    res = run_emulated(_p2p, TOPO, timeout_s=60)
     for r, x in enumerate(res):
         assert x["ok"] and x["a2a"] == [True, True], r
         assert x["counts"] == x["exp"], r
@@ -401,7 +400,7 @@ def test_p2p_exchange_all_to_all_and_counters(directional):
 
 
 def _p2p_timeout() -> str:
-    comm = _two_sided(False, timeout_s=0.5)
+    comm = _two_sided(timeout_s=0.5)
     if dist.get_rank() == 1:
         time.sleep(2.5)
         return "silent"
@@ -502,7 +501,7 @@ def test_nvshmem_without_cuda_says_so():
 
 
 def test_process_alive_sees_exited_and_zombie_processes():
-    from xfuser_swiftfusion.procs import process_alive as _process_alive
+    from xfuser_swiftfusion.emulation.procs import process_alive as _process_alive
 
     assert _process_alive(os.getpid())
     pid = os.fork()

@@ -6,9 +6,10 @@ import json
 import pytest
 
 import xfuser_swiftfusion  # noqa: F401
-from xfuser_swiftfusion.cli import main
-from xfuser_swiftfusion.compare import JSON_FIELDS, modelled_usp_bytes
-from xfuser_swiftfusion.topology import Topology, choose_mesh
+from xfuser_swiftfusion.tools.cli import main
+from xfuser_swiftfusion.tools.compare import JSON_FIELDS, modelled_usp_bytes
+from xfuser_swiftfusion.mesh import choose_mesh
+from xfuser_swiftfusion.topology import Topology
 
 FIELDS = {"strategy", "mesh", "step_latency_s", "attention_latency_s",
           "inter_node_bytes_per_gpu", "peak_memory_bytes", "max_abs_err", "passed"}

@@ -1,6 +1,6 @@
 """Bounded property-based fuzzing (CI): every strategy equals fp64 single-device attention on
 hypothesis-drawn topologies and cases. The property, case generator and reference live in
-``scripts/fuzz.py`` (also the long on-demand run: ``scripts/fuzz.py --examples N``).
+``tests/support/`` (``scripts/fuzz.py --examples N`` runs the same property for long).
 
 Each example is one emulated launch running a batch of cases on tas, torus and swiftfusion;
 every topology gets the explicit edge example plus two drawn ones.
@@ -8,17 +8,11 @@ every topology gets the explicit edge example plus two drawn ones.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-_spec = importlib.util.spec_from_file_location(
-    "sf_fuzz_script", Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py")
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from support import fuzz
 
 _EDGE = dict(B=2, H=6, S=3, D=24, dtype="bf16", Tj=7, where="rear", layout="bshd", seed=7)
 
@@ -45,4 +39,4 @@ def test_property_fails_on_a_wrong_strategy(monkeypatch):
 
 @pytest.mark.slow
 def test_long_fuzz():
-    assert fuzz.main(["--examples", "60"]) == 0
+    fuzz.explore(60)  # raises on the first failing launch

@@ -13,21 +13,20 @@ from hypothesis import strategies as st
 from xfuser_swiftfusion import kernels
 from xfuser_swiftfusion.kernels import AttnState, attend, merge_states, new_state, select_backend, set_backend
 from xfuser_swiftfusion.kernels import flash as flash_backend
+from support.reference import attention_lse
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 # ---------------------------------------------------------------- reference and comparison
 def reference(q: torch.Tensor, kv_chunks, scale: float):
-    """fp64 softmax(Q K^T * scale) V over the concatenation of all KV chunks, and its LSE.
-    q [B, H, Lq, D]; returns ([B, H, Lq, D], [B, H, Lq]); rows without keys: (0, -inf)."""
-    B, H, Lq, D = q.shape
-    if not kv_chunks or sum(k.shape[2] for k, _ in kv_chunks) == 0:
-        return torch.zeros(B, H, Lq, D, dtype=torch.float64), torch.full((B, H, Lq), float("-inf"), dtype=torch.float64)
-    k = torch.cat([k for k, _ in kv_chunks], dim=2).double()  # [B, H, Lk, D]
-    v = torch.cat([v for _, v in kv_chunks], dim=2).double()  # [B, H, Lk, D]
-    scores = q.double() @ k.transpose(-1, -2) * scale  # [B, H, Lq, Lk]
-    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+    """``support.reference.attention_lse`` of q ``[B, H, Lq, D]`` over the concatenation of all
+    KV chunks: ``([B, H, Lq, D], [B, H, Lq])`` in fp64; rows without keys: (0, -inf)."""
+    B, H, _, D = q.shape
+    empty = q.new_empty(B, H, 0, D)
+    k = torch.cat([k for k, _ in kv_chunks] or [empty], dim=2)  # [B, H, Lk, D]
+    v = torch.cat([v for _, v in kv_chunks] or [empty], dim=2)  # [B, H, Lk, D]
+    return attention_lse(q, k, v, scale)
 
 
 def assert_matches(out, lse, ref_out, ref_lse, tol: float, lse_rtol: float = 0.0):

@@ -18,11 +18,11 @@ import torch
 
 import xfuser_swiftfusion  # noqa: F401  (CPU compatibility layer before xFuser loads)
 import xfuser.model_executor.layers.usp  # noqa: E402,F401  (imported once, inherited by forks)
-from xfuser_swiftfusion.launcher import run_emulated  # noqa: E402
-from xfuser_swiftfusion.models import parallel  # noqa: E402
-from xfuser_swiftfusion.models.tiny import (checkpoint_digest, save_tiny_cogvideox,  # noqa: E402
+from xfuser_swiftfusion.emulation.launcher import run_emulated  # noqa: E402
+from xfuser_swiftfusion.tools.models import parallel  # noqa: E402
+from xfuser_swiftfusion.tools.models.tiny import (checkpoint_digest, save_tiny_cogvideox,  # noqa: E402
                                             save_tiny_flux, tiny_checkpoint)
-from xfuser_swiftfusion.strategies import STRATEGIES  # noqa: E402
+from xfuser_swiftfusion.strategies import names  # noqa: E402
 
 TOL = 1e-4       # fp32 whole-model latents (measured ~1e-6, see compare.py)
 STEPS = 2
@@ -86,7 +86,7 @@ CASES = [  # (kind, topology, text tokens); 13 is not divisible by 4, 6 or 8 (jo
 
 @pytest.mark.parametrize("kind,topo,text", CASES, ids=[f"{k}-{t}-text{n}" for k, t, n in CASES])
 def test_every_strategy_equals_single_device(ckpts, kind, topo, text):
-    strategies = list(STRATEGIES)
+    strategies = list(names())
     ranks = run_emulated(_rank_run, topo, ckpts[kind], kind, text, strategies, timeout_s=400)
     ref = reference(ckpts[kind], kind, text)
     for s in strategies:

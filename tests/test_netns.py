@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from xfuser_swiftfusion.comm import PeerFailure, make_one_sided, make_two_sided
-from xfuser_swiftfusion.launcher import EmulationError, run_emulated
-from xfuser_swiftfusion.netns import (LinkSpec, NetnsUnavailable, cleanup_stale, current_network,
+from xfuser_swiftfusion.emulation.launcher import EmulationError, run_emulated
+from xfuser_swiftfusion.emulation.netns import (LinkSpec, NetnsUnavailable, cleanup_stale, current_network,
                                       list_netns, netns_unavailable_reason, qdisc_bytes)
 
 REASON = netns_unavailable_reason()
@@ -39,7 +39,7 @@ def _pattern(n: int, src: int, dst: int, salt: int = 0) -> torch.Tensor:
 def _comms(timeout_s: float = 30.0):
     me = dist.get_rank()
     one = make_one_sided("shm", rank=me, world_size=W, node_of=NODE_OF, timeout_s=timeout_s)
-    two = make_two_sided("p2p", rank=me, world_size=W, node_of=NODE_OF, timeout_s=timeout_s)
+    two = make_two_sided(rank=me, world_size=W, node_of=NODE_OF, timeout_s=timeout_s)
     return one, two
 
 
@@ -218,8 +218,8 @@ _PARENT = textwrap.dedent("""
     # be) starts with SIGINT ignored, and a Python started so keeps ignoring it
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch.distributed as dist
-    from xfuser_swiftfusion.launcher import run_emulated
-    from xfuser_swiftfusion.netns import LinkSpec, current_network
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    from xfuser_swiftfusion.emulation.netns import LinkSpec, current_network
     def rank():
         if dist.get_rank() == 0:
             print(current_network().prefix, flush=True)
@@ -287,7 +287,7 @@ def test_check_cli_runs_over_throttled_links():
     """``swiftfusion check --emulate 2x2 --link-mbit``: every strategy passes across a real
     throttled link, the header says so, and no namespace is left."""
     before = set(list_netns())
-    out = subprocess.run([sys.executable, "-m", "xfuser_swiftfusion.cli", "check", "--emulate", "2x2",
+    out = subprocess.run([sys.executable, "-m", "xfuser_swiftfusion", "check", "--emulate", "2x2",
                           "--link-mbit", str(RATE_MBIT), "--heads", "4", "--seq-len", "64",
                           "--head-dim", "32", "--strategies", "usp,torus,swiftfusion"],
                          capture_output=True, text=True, timeout=300)

@@ -80,6 +80,20 @@ def _pristine_copy(patch: Path, dest: Path) -> None:
         shutil.copy2(src, dest / rel)
 
 
+def _patched_copy(dest: Path) -> None:
+    """A copy of the installed xfuser with every patch applied (each touched file checked
+    pristine first: two patches touch usp.py, so no file is copied after a patch ran)."""
+    shutil.copytree(_site_root() / "xfuser", dest / "xfuser",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in PATCHES:
+        _pristine_copy(patch, dest)   # the files it touches, RECORD-verified
+    for patch in PATCHES:
+        cmd = (["patch", "-p1", "--force", "-i", str(patch)] if shutil.which("patch")
+               else ["git", "apply", "-p1", str(patch)])
+        res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
 def test_patch_applies_to_pristine_sources(patch: Path, tmp_path: Path):
     _pristine_copy(patch, tmp_path)
@@ -94,7 +108,8 @@ def test_patch_applies_to_pristine_sources(patch: Path, tmp_path: Path):
 
 _EQUIVALENCE_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from xfuser_swiftfusion import xfuser_compat
+    from support.reference import attention_lse, max_abs_err, rank_rows
+    from xfuser_swiftfusion.integrations.xfuser import compat as xfuser_compat
     xfuser_compat.apply = lambda: None          # the source patch alone must suffice
     import xfuser, xfuser.envs as envs
     assert xfuser.__file__.startswith(sys.argv[1]), xfuser.__file__
@@ -108,13 +123,13 @@ _EQUIVALENCE_SCRIPT = textwrap.dedent("""
         ATTENTION_FUNCTION_REGISTRY as REG, AttentionBackendType as T)
     q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
     out, lse = REG[T.SDPA_FLASH](q, k, v, dropout_p=0.0, is_causal=False)
-    ref = torch.logsumexp(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+    ref = attention_lse(q, k, v)[1]
     assert torch.allclose(lse.double(), ref, atol=1e-6), (lse, ref)
     from xfuser.core.distributed.runtime_state import RuntimeState
     assert RuntimeState._select_attention_backend(None, None) == T.SDPA_FLASH
 
-    from xfuser_swiftfusion.launcher import run_emulated
-    from xfuser_swiftfusion import xfuser_state as xs
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    from xfuser_swiftfusion.integrations.xfuser import state as xs
 
     def ring_only():
         import torch.distributed as dist
@@ -124,8 +139,7 @@ _EQUIVALENCE_SCRIPT = textwrap.dedent("""
             q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
             r = dist.get_rank()
             o = xs.xfuser_usp(*(t[:, :, r * 6:(r + 1) * 6].contiguous() for t in (q, k, v)))
-            ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8 ** 0.5, -1) @ v.double()
-            return (o.double() - ref[:, :, r * 6:(r + 1) * 6]).abs().max().item()
+            return max_abs_err(o, rank_rows(q, k, v, r, 2))
         finally:
             xs.destroy_xfuser_parallel()
 
@@ -137,16 +151,8 @@ _EQUIVALENCE_SCRIPT = textwrap.dedent("""
 
 def test_patched_sources_work_on_cpu_without_runtime_patches(tmp_path: Path):
     """Apply every patch to a copy of the installed xfuser and run USP's ring on CPU with it."""
-    root = _site_root()
-    shutil.copytree(root / "xfuser", tmp_path / "xfuser",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for patch in PATCHES:
-        _pristine_copy(patch, tmp_path)   # the files it touches, RECORD-verified
-        cmd = (["patch", "-p1", "--force", "-i", str(patch)] if shutil.which("patch")
-               else ["git", "apply", "-p1", str(patch)])
-        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
-        assert res.returncode == 0, res.stdout + res.stderr
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+    _patched_copy(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "tests")]),
                PYTHONDONTWRITEBYTECODE="1")
     res = subprocess.run([sys.executable, "-c", _EQUIVALENCE_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=240)
@@ -168,8 +174,8 @@ _PLUGIN_SCRIPT = textwrap.dedent("""
     assert ev.elapsed_time(end) >= 0.0
     from xfuser.model_executor.models.transformers import transformer_flux as tf
     from diffusers import FluxTransformer2DModel
-    from xfuser_swiftfusion.launcher import run_emulated
-    from xfuser_swiftfusion import xfuser_state as xs
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    from xfuser_swiftfusion.integrations.xfuser import state as xs
 
     CFG = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                attention_head_dim=8, num_attention_heads=8, joint_attention_dim=32,
@@ -215,16 +221,8 @@ _PLUGIN_SCRIPT = textwrap.dedent("""
 def test_plugin_patch_works_without_runtime_plugin(tmp_path: Path):
     """The patched copy: --sp_strategy parses, CPU timing works, both Flux bugs are fixed,
     with the run-time plugin off (SWIFTFUSION_AUTOLOAD=0, nothing calls install())."""
-    root = _site_root()
-    shutil.copytree(root / "xfuser", tmp_path / "xfuser",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for patch in PATCHES:
-        _pristine_copy(patch, tmp_path)
-        cmd = (["patch", "-p1", "--force", "-i", str(patch)] if shutil.which("patch")
-               else ["git", "apply", "-p1", str(patch)])
-        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
-        assert res.returncode == 0, res.stdout + res.stderr
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+    _patched_copy(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "tests")]),
                PYTHONDONTWRITEBYTECODE="1", SWIFTFUSION_AUTOLOAD="0", OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", _PLUGIN_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)

@@ -1,34 +1,21 @@
 """Every strategy equals single-device attention on every topology it accepts.
 
-The reference is written here (fp64 softmax attention over the gathered sequence), not taken
-from the package. One emulated launch per topology runs a list of cases x strategies.
+The reference is ``support.reference`` (fp64 softmax attention over the gathered sequence),
+independent of the package. One emulated launch per topology runs a list of cases x strategies.
 """
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import xfuser_swiftfusion as sf
-from xfuser_swiftfusion.launcher import run_emulated
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from support.reference import attention, max_abs_err, rank_rows
 
 STRATS = ("usp", "tas", "torus", "swiftfusion")
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def reference(q, k, v, jq=None, jk=None, jv=None, where="front"):
-    """fp64 attention of [text; image] queries over [text; image] keys, USP row order."""
-    if jq is not None:
-        q, k, v = (torch.cat([a, b], 2) for a, b in ((jq, q), (jk, k), (jv, v)))
-    q, k, v = q.double(), k.double(), v.double()
-    o = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
-    if jq is None or where == "front":
-        return o
-    T = jq.shape[2]
-    return torch.cat([o[:, :, T:], o[:, :, :T]], 2)
 
 
 def _cases_on_rank(cases):
@@ -42,13 +29,13 @@ def _cases_on_rank(cases):
         jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g).to(DT[dt]) for _ in range(3))
         S = L // world
         mine = slice(rank * S, (rank + 1) * S)
-        ref_all = reference(q[:, :, mine], k, v, *((jq, jk, jv) if Tj else ()), where=where)
+        ref_all = rank_rows(q, k, v, rank, world, (jq, jk, jv), where)
         joint = dict(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=where) if Tj else {}
         for name in case["strategies"]:
             ctx = sf.init_sequence_parallel(name, H, timeout_s=60)
             try:
                 out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **joint)
-                err = (out.double() - ref_all).abs().max().item()
+                err = max_abs_err(out, ref_all)
                 rows.append((case["id"], name, ctx.strategy, err, ctx.stats()["inter_node_bytes"],
                              tuple(out.shape) == tuple(ref_all.shape)))
             finally:
@@ -147,18 +134,17 @@ def _stage_errors(strategy):
             seen.setdefault((a2, b), set()).add(a)
             kv_ranks = [mesh.rank_of(a3, b3, r3) for a3 in sorted(seen[(a2, b)])
                         for b3 in range(U) for r3 in range(R)]
-            kk = torch.cat([k[:, heads, tokens(x)] for x in kv_ranks], 2).double()
-            vv = torch.cat([v[:, heads, tokens(x)] for x in kv_ranks], 2).double()
-            qq = q[:, heads, tokens(mesh.rank_of(a2, b, r))].double()
-            ref = torch.softmax(qq @ kk.transpose(-1, -2) * scale, -1) @ vv
-            errors.append((what, (st.acc / st.l.unsqueeze(-1)).double().sub(ref).abs().max().item()))
+            kk = torch.cat([k[:, heads, tokens(x)] for x in kv_ranks], 2)
+            vv = torch.cat([v[:, heads, tokens(x)] for x in kv_ranks], 2)
+            qq = q[:, heads, tokens(mesh.rank_of(a2, b, r))]
+            errors.append((what, max_abs_err(st.acc / st.l.unsqueeze(-1), attention(qq, kk, vv, scale))))
 
     io.ring = ring
     try:
         out = ctx.attention(q[:, :, tokens(rank)], k[:, :, tokens(rank)], v[:, :, tokens(rank)])
     finally:
         ctx.close()
-    final = (out.double() - reference(q[:, :, tokens(rank)], k, v)).abs().max().item()
+    final = max_abs_err(out, rank_rows(q, k, v, rank, world))
     last = [i for i, (what, _) in enumerate(chunks) if what.startswith(f"Pull-KV stage {T - 1},")]
     after_last_pull = sum(n for _, n in chunks[last[0]:])
     return stages, errors, final, after_last_pull, T * U
@@ -189,7 +175,7 @@ def _inference_mode_rank():
             outs = [ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine]) for _ in range(2)]
     finally:
         ctx.close()
-    return max((o.double() - reference(q[:, :, mine], k, v)).abs().max().item() for o in outs)
+    return max(max_abs_err(o, rank_rows(q, k, v, rank, world)) for o in outs)
 
 
 def test_swiftfusion_under_inference_mode():
@@ -217,8 +203,7 @@ def _two_calls_rank(strategies):
                     joint = dict(joint_query=jq, joint_key=jk, joint_value=jv,
                                  joint_strategy="rear") if Tj else {}
                     outs.append(ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **joint))
-                errs = [(o.double() - reference(q[:, :, mine], k, v, *((jq, jk, jv) if Tj else ()),
-                                                where="rear")).abs().max().item()
+                errs = [max_abs_err(o, rank_rows(q, k, v, rank, world, (jq, jk, jv), "rear"))
                         for o, (q, k, v, jq, jk, jv) in zip(outs, ins)]
                 rows.append((name, Tj, *errs))
         finally:
@@ -253,7 +238,7 @@ def _heap_growth_rank():
             before = ctx.stats()["symmetric_heap_bytes"]
             for _ in range(2):  # the second call of a shape reuses the first one's buffers
                 out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **joint)
-            err = (out.double() - reference(q[:, :, mine], k, v, *((jq, jk, jv) if Tj else ()))).abs().max().item()
+            err = max_abs_err(out, rank_rows(q, k, v, rank, world, (jq, jk, jv)))
             rows.append(((B, H, S, D, Tj), ctx.stats()["symmetric_heap_bytes"] - before, err))
         return ctx.mesh.torus, rows
     finally:

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from xfuser_swiftfusion.cli import main as cli_main
-from xfuser_swiftfusion.cli import plan
-from xfuser_swiftfusion.topology import (Topology, TopologyError, choose_mesh,
-                                         counted_inter_node_elements, detect_topology,
-                                         paper_inter_node_elements_per_machine,
+from xfuser_swiftfusion.tools.cli import main as cli_main
+from xfuser_swiftfusion.tools.cli import plan
+from xfuser_swiftfusion.mesh import (choose_mesh, counted_inter_node_elements,
+                                     paper_inter_node_elements_per_machine)
+from xfuser_swiftfusion.topology import (Topology, TopologyError, detect_topology,
                                          topology_from_hostnames)
 
 
@@ -85,7 +85,7 @@ def test_volume_hand_computed_4x8():
     usp = counted_inter_node_elements(choose_mesh(Topology(4, 8), H, "usp"), B, L, H, D)
     assert set(tas) == {3 * X} and set(usp) == {6 * X}
     # the paper: per machine 4 (N-1) BLHD / N^2 and 2 (N-1) BLHD / N
-    assert paper_inter_node_elements_per_machine("sfu", 4, 8, 8, B, L, H, D) == 0.75 * B * L * H * D
+    assert paper_inter_node_elements_per_machine("tas", 4, 8, 8, B, L, H, D) == 0.75 * B * L * H * D
     assert paper_inter_node_elements_per_machine("usp", 4, 8, 8, B, L, H, D) == 1.5 * B * L * H * D
 
 
@@ -95,14 +95,14 @@ def test_counted_equals_paper_when_ulysses_spans_all_machines(n, m, h):
     mesh = choose_mesh(Topology(n, m), h, "tas")
     per_rank = counted_inter_node_elements(mesh, B, L, h, D)
     assert len(set(per_rank)) == 1
-    assert per_rank[0] * m == paper_inter_node_elements_per_machine("sfu", n, m, mesh.ulysses, B, L, h, D)
+    assert per_rank[0] * m == paper_inter_node_elements_per_machine("tas", n, m, mesh.ulysses, B, L, h, D)
 
 
 def test_mixed_case_formulas():
     # USP with P_r < N (4 x 2, H = 4: U4 R2): (2(P_r-1) N/P_r + 4 (N/P_r-1)/(N/P_r)) BLHD/N
     assert paper_inter_node_elements_per_machine("usp", 4, 2, 4, 1, 8, 1, 1) == (2 * 1 * 2 + 4 * 1 / 2) * 8 / 4
     # SFU with P_u < N (4 x 2, H = 2: U2 R4): (2(N/P_u-1) + 4 (P_u-1)/P_u N/P_u) BLHD/N
-    assert paper_inter_node_elements_per_machine("sfu", 4, 2, 2, 1, 8, 1, 1) == (2 * 1 + 4 * 0.5 * 2) * 8 / 4
+    assert paper_inter_node_elements_per_machine("tas", 4, 2, 2, 1, 8, 1, 1) == (2 * 1 + 4 * 0.5 * 2) * 8 / 4
     # one machine: nothing crosses
     assert paper_inter_node_elements_per_machine("usp", 1, 8, 8, 1, 8, 8, 8) == 0
 

@@ -1,7 +1,8 @@
 """xFuser's own USP on CPU/gloo equals single-device attention (the `usp` baseline).
 
-The reference is computed here, independently: fp64 softmax(Q K^T * scale) V over the whole
-gathered sequence (plus text tokens), from the same inputs every rank generates from one seed.
+The reference is ``support.reference``, independent of the code under test: fp64
+softmax(Q K^T * scale) V over the whole gathered sequence (plus text tokens), from the same
+inputs every rank generates from one seed.
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from xfuser_swiftfusion import xfuser_compat
+from xfuser_swiftfusion.integrations.xfuser import compat as xfuser_compat
+from support.reference import attention_lse, max_abs_err, rank_rows, shard
 
 # Apply + import in the parent once: forked ranks inherit the patched, imported xFuser.
 xfuser_compat.apply()
 import xfuser.model_executor.layers.usp  # noqa: E402,F401
 
-from xfuser_swiftfusion.launcher import run_emulated  # noqa: E402
-from xfuser_swiftfusion import xfuser_state as xs  # noqa: E402
+from xfuser_swiftfusion.emulation.launcher import run_emulated  # noqa: E402
+from xfuser_swiftfusion.integrations.xfuser import state as xs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 B, S_LOCAL, D, T_TEXT = 2, 6, 16, 7
@@ -35,12 +37,6 @@ JOINTS = (None, "front", "rear")
 # helpers that run inside the ranks
 # ---------------------------------------------------------------------------------------------
 
-def _reference(q, k, v, scale):
-    """fp64 single-device attention."""
-    q, k, v = q.double(), k.double(), v.double()
-    return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v
-
-
 def _inputs(world, heads, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(B, heads, S_LOCAL * world, D, generator=g) for _ in range(3)]
@@ -50,28 +46,22 @@ def _inputs(world, heads, seed, dtype):
 
 def _one_case(rank, world, heads, joint, dtype, seed):
     (q, k, v), (tq, tk, tv) = _inputs(world, heads, seed, dtype)
-    sl = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
-    local = [t[:, :, sl].contiguous() for t in (q, k, v)]
+    local = [shard(t, rank, world).contiguous() for t in (q, k, v)]
     scale = 1.0 / math.sqrt(D)
     if joint is None:
         out = xs.xfuser_usp(*local)
-        ref_all = _reference(q, k, v, scale)
-        ref = ref_all[:, :, sl]
-        wrong = ref_all[:, :, ((rank + 1) % world) * S_LOCAL:((rank + 1) % world + 1) * S_LOCAL]
+        ref = rank_rows(q, k, v, rank, world, scale=scale)
+        wrong = rank_rows(q, k, v, (rank + 1) % world, world, scale=scale)
     else:
         out = xs.xfuser_usp(*local, joint_query=tq, joint_key=tk, joint_value=tv,
                             joint_strategy=joint)
-        kk, vv = torch.cat([tk, k], dim=2), torch.cat([tv, v], dim=2)
-        ref_img = _reference(q[:, :, sl], kk, vv, scale)
-        ref_txt = _reference(tq, kk, vv, scale)
-        ref = (torch.cat([ref_txt, ref_img], dim=2) if joint == "front"
-               else torch.cat([ref_img, ref_txt], dim=2))
-        wrong = torch.cat([ref_img, ref_txt], dim=2) if joint == "front" else \
-            torch.cat([ref_txt, ref_img], dim=2)
+        ref = rank_rows(q, k, v, rank, world, (tq, tk, tv), joint, scale)
+        wrong = rank_rows(q, k, v, rank, world, (tq, tk, tv),
+                          "rear" if joint == "front" else "front", scale)
     assert out.dtype == dtype, out.dtype
     assert out.shape == ref.shape, (tuple(out.shape), tuple(ref.shape))
-    err = (out.double() - ref).abs().max().item()
-    wrong_err = (out.double() - wrong).abs().max().item()
+    err = max_abs_err(out, ref)
+    wrong_err = max_abs_err(out, wrong)
     return err, wrong_err
 
 
@@ -254,13 +244,13 @@ def test_cpu_attention_backend_returns_lse(dtype):
     k = torch.randn(2, 3, 13, 32, generator=g).to(dtype)
     v = torch.randn(2, 3, 13, 32, generator=g).to(dtype)
     out, lse = reg[T.SDPA_FLASH](q, k, v, dropout_p=0.0, is_causal=False)
-    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
+    ref_out, ref_lse = attention_lse(q, k, v, 1 / math.sqrt(32))
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     assert lse.dtype == lse_dtype and lse.shape == (2, 3, 9)
     assert out.dtype == dtype and out.shape == (2, 3, 9, 32)
     tol = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=tol, rtol=0)
-    torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ v.double(), atol=tol, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=0)
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
 
 
 def test_runtime_state_selects_lse_backend_on_cpu():
@@ -272,18 +262,18 @@ def test_runtime_state_selects_lse_backend_on_cpu():
 def _python(*parts: str) -> subprocess.Popen:
     code = "".join(textwrap.dedent(part) for part in parts)
     # the .pth autoloader would apply the compatibility layer before these checks can see
-    # a bare `import xfuser` fail on CPU
+    # a bare `import xfuser` fail on CPU; tests/ on the path for ``support``
     env = dict(os.environ, SWIFTFUSION_AUTOLOAD="0", PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")]))
+        [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-c", code], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 _CHECKS = """
     import sys, xfuser, xfuser.envs as envs
-    from xfuser_swiftfusion import xfuser_compat as c
+    from xfuser_swiftfusion.integrations.xfuser import compat as c
     assert c.is_applied()
-    assert sum(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path) == 1
+    assert sum(type(f).__name__ == "ImportHookFinder" for f in sys.meta_path) == 1
     f = envs.get_device_version
     assert f.__wrapped__ is not None and not hasattr(f.__wrapped__, "__wrapped__")
     assert envs.get_torch_distributed_backend() == "gloo" and envs.CUDA_VERSION is not None
@@ -307,13 +297,14 @@ def test_import_xfuser_on_cpu_after_apply():
     #     Ranks are forked before the parent imports xfuser: each rank imports it itself.
     first = _python("""
         import sys, torch
-        from xfuser_swiftfusion import xfuser_compat
+        from xfuser_swiftfusion.integrations.xfuser import compat as xfuser_compat
         xfuser_compat.apply(); xfuser_compat.apply()
-        from xfuser_swiftfusion.launcher import run_emulated
+        from xfuser_swiftfusion.emulation.launcher import run_emulated
 
         def rank_fn():
             import torch.distributed as dist
-            from xfuser_swiftfusion import xfuser_state as xs
+            from support.reference import max_abs_err, rank_rows
+            from xfuser_swiftfusion.integrations.xfuser import state as xs
             xfuser_compat.apply()
             xs.init_xfuser_parallel(1, 2, "tas")
             try:
@@ -321,8 +312,7 @@ def test_import_xfuser_on_cpu_after_apply():
                 q, k, v = (torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(i))
                            for i in range(3))
                 o = xs.xfuser_usp(*(t[:, :, 4 * r:4 * r + 4].contiguous() for t in (q, k, v)))
-                ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8 ** 0.5, -1) @ v.double()
-                return (o.double() - ref[:, :, 4 * r:4 * r + 4]).abs().max().item()
+                return max_abs_err(o, rank_rows(q, k, v, r, 2))
             finally:
                 xs.destroy_xfuser_parallel()
 
@@ -340,7 +330,7 @@ def test_import_xfuser_on_cpu_after_apply():
             assert "No Accelerators" in str(exc)
         else:
             raise AssertionError("import xfuser unexpectedly works on CPU without apply()")
-        from xfuser_swiftfusion import xfuser_compat
+        from xfuser_swiftfusion.integrations.xfuser import compat as xfuser_compat
         xfuser_compat.apply()
         xfuser_compat.apply()
     """, _CHECKS)
@@ -353,10 +343,10 @@ def test_apply_is_noop_with_cuda():
     p = _python("""
         import sys, torch
         torch.cuda.is_available = lambda: True
-        from xfuser_swiftfusion import xfuser_compat
+        from xfuser_swiftfusion.integrations.xfuser import compat as xfuser_compat
         xfuser_compat.apply()
         assert not xfuser_compat.is_applied()
-        assert not any(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path)
+        assert not any(type(f).__name__ == "ImportHookFinder" for f in sys.meta_path)
         assert not any(m.startswith(("xfuser.", "yunchang")) for m in sys.modules)
         print("OK")
     """)

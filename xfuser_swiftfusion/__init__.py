@@ -5,17 +5,17 @@
     out = ctx.attention(q, k, v)            # [B, H, S_local, D], xFuser's USP contract
     ctx.close()
 
-Importing the package applies the CPU compatibility layer for xFuser 0.7.0 (a no-op on
-CUDA machines), so ``import xfuser`` and xFuser's own USP work on CPU with gloo.
+Layers point one way: the core (``topology`` -> ``mesh`` -> ``groups`` -> ``comm`` ->
+``kernels`` -> ``strategies`` -> ``context``) imports nothing of xFuser, diffusers or the CPU
+emulation; ``integrations.xfuser`` (``--sp-strategy``, ``USP()`` routing), ``emulation`` (a GPU
+cluster on one CPU host) and ``tools`` (the ``swiftfusion`` command) build on it. Importing the
+package has no side effects.
 """
-from . import xfuser_compat
-
-xfuser_compat.apply()
-
-from .context import SequenceParallelContext, init_sequence_parallel  # noqa: E402
-from .strategies import STRATEGIES  # noqa: E402
-from .topology import Mesh, Topology, TopologyError, choose_mesh, detect_topology  # noqa: E402
+from .context import SequenceParallelContext, init_sequence_parallel
+from .mesh import Mesh, choose_mesh
+from .strategies import names as strategy_names
+from .topology import Topology, TopologyError, detect_topology
 
 __version__ = "0.1.0"
-__all__ = ["STRATEGIES", "Mesh", "SequenceParallelContext", "Topology", "TopologyError",
-           "choose_mesh", "detect_topology", "init_sequence_parallel"]
+__all__ = ["Mesh", "SequenceParallelContext", "Topology", "TopologyError", "choose_mesh",
+           "detect_topology", "init_sequence_parallel", "strategy_names"]

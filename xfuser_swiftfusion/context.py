@@ -1,11 +1,11 @@
 """Public entry point: ``init_sequence_parallel`` -> ``SequenceParallelContext``.
 
-The data path: topology (machines x GPUs) -> mesh (Ulysses x Ring placement, (t, u, r))
--> communicator (two-sided p2p, or one-sided shm / nvshmem) -> strategy -> ``attention``.
+The data path: topology (machines x GPUs) -> mesh (Ulysses x Ring placement, (t, u, r)) ->
+groups (``DeviceMesh``) -> communicator (two-sided p2p, or a one-sided backend) -> strategy
+(built by its registry spec) -> ``attention``.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommTimeout, OneSided, PeerFailure, make_one_sided, make_two_sided
-from .log import get_logger, log_once
-from .strategies import STRATEGIES
+from .distributed import check_device
+from .groups import build_groups
+from .log import get_logger
+from .mesh import Mesh, choose_mesh
+from .strategies import BuildArgs, Strategy, get
 from .strategies.layout import InputError, Joint, check_inputs
-from .strategies.swiftfusion import OneSidedTorusIO
-from .strategies.tas import TasAttention
-from .strategies.torus import TorusAttention, TwoSidedTorusIO
-from .topology import Mesh, Topology, TopologyError, choose_mesh, detect_topology
+from .topology import Topology, detect_topology
 
 logger = get_logger(__name__)
 
@@ -64,23 +64,27 @@ def default_timeout_s() -> float:
 class SequenceParallelContext:
     """One strategy bound to the current SP group. ``attention`` follows xFuser's USP contract."""
 
-    strategy: str
+    strategy: str          # the strategy that runs (after its spec's fallback)
     topology: Topology
     mesh: Mesh
     rank: int
     num_heads: int
     timeout_s: float
-    _impl: object = field(repr=False)
-    _comms: list = field(repr=False, default_factory=list)
+    _impl: Strategy = field(repr=False)
     calls: int = 0
     closed: bool = False
-    # reason -> calls handed to xFuser's own USP by the xFuser hook (xfuser_plugin)
+    # reason -> calls an integration handed to another attention (e.g. xFuser's own USP)
     fallbacks: dict = field(default_factory=dict)
-    # False when xFuser's parallel state was built by someone else (close leaves it alone)
-    owns_xfuser_state: bool = True
     failed: bool = False  # a call raised: peers may be mid-layer, so close skips the final barrier
     _checked: set = field(repr=False, default_factory=set)
 
+    @property
+    def _comms(self) -> list:
+        return self._impl.comms
+
+    # torch.compile: one graph break per call; nothing below (streams, one-sided puts, host
+    # threads, per-call counters) is traced, guarded on or reordered
+    @torch.compiler.disable(recursive=True, reason="sequence-parallel attention runs eagerly")
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   joint_query: torch.Tensor | None = None, joint_key: torch.Tensor | None = None,
                   joint_value: torch.Tensor | None = None, joint_strategy: str | None = None,
@@ -92,26 +96,13 @@ class SequenceParallelContext:
         joint = check_inputs(q, k, v, self.num_heads, self.mesh.ulysses,
                              joint_query, joint_key, joint_value, joint_strategy)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        if self.strategy == "usp" and scale != 1.0 / math.sqrt(q.shape[-1]):
-            raise ValueError("xFuser's USP uses the default softmax scale 1/sqrt(D); "
-                             "pass scale=None with strategy='usp'")
         self._check_uniform(q, joint, scale)
         self.calls += 1
         try:
-            if self.strategy == "usp":
-                from .xfuser_state import xfuser_usp
-                return xfuser_usp(q, k, v, joint_query, joint_key, joint_value, joint_strategy)
             return self._impl(q, k, v, joint, scale)
         except (CommTimeout, PeerFailure) as exc:
             self.failed = True
             raise type(exc)(f"{self.strategy}: {exc}") from exc
-        except RuntimeError as exc:
-            self.failed = True
-            if self.strategy == "usp" and (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
-                raise PeerFailure(f"usp: rank {self.rank}: a collective of xFuser's USP failed "
-                                  f"(these wait up to the process-group timeout, not timeout_s): "
-                                  f"{exc}") from exc
-            raise
         except BaseException:
             self.failed = True
             raise
@@ -157,7 +148,7 @@ class SequenceParallelContext:
         """Per-rank counters since init or the last ``reset_stats``."""
         intra = sum(c.counter.intra_node_bytes for c in self._comms)
         inter = sum(c.counter.inter_node_bytes for c in self._comms)
-        heap = sum(c.symmetric_heap_bytes() for c in self._comms if hasattr(c, "symmetric_heap_bytes"))
+        heap = sum(c.symmetric_heap_bytes() for c in self._comms if isinstance(c, OneSided))
         return {"strategy": self.strategy, "mesh": self.mesh.describe(), "calls": self.calls,
                 "intra_node_bytes": intra, "inter_node_bytes": inter,
                 "symmetric_heap_bytes": heap, "fallbacks": dict(self.fallbacks)}
@@ -173,12 +164,13 @@ class SequenceParallelContext:
         if self.closed:
             return
         self.closed = True
-        if self.strategy == "auto":
-            self._impl.close()
+        self._impl.close(self.failed)
         for c in self._comms:
             if isinstance(c, OneSided) and self.failed:
                 # a mid-layer peer would pair its own barrier with this one and go on with
-                # missing data: close without it, peers then see a closed rank (PeerFailure)
+                # missing data: close without it, peers then see a closed rank (PeerFailure);
+                # the communicator skips its collective teardown too
+                c.failed = True
                 logger.warning(f"rank {self.rank}: closing {self.strategy} after a failed call, "
                                "without the final barrier")
             elif isinstance(c, OneSided):
@@ -188,9 +180,6 @@ class SequenceParallelContext:
                 except (CommTimeout, PeerFailure) as exc:
                     logger.warning(f"rank {self.rank}: closing after a failed final barrier: {exc}")
             c.close()
-        if self.strategy == "usp" and self.owns_xfuser_state:
-            from .xfuser_state import destroy_xfuser_parallel
-            destroy_xfuser_parallel()
 
     def __enter__(self) -> "SequenceParallelContext":
         return self
@@ -204,72 +193,46 @@ class SequenceParallelContext:
 def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None = None,
                            topology: str | Topology | None = None, *,
                            ulysses_degree: int | None = None, ring_degree: int | None = None,
-                           timeout_s: float | None = None, comm: str = "auto") -> SequenceParallelContext:
+                           timeout_s: float | None = None, comm: str = "auto",
+                           options: dict | None = None) -> SequenceParallelContext:
     """Bind ``strategy`` to the default process group (call after ``dist.init_process_group``).
 
     ``num_heads``: the model's attention heads (fixes the Ulysses degree ``gcd(N*M, H)``
     unless ``ulysses_degree``/``ring_degree`` are given). ``topology``: ``"NxM"`` override of
     the detected machines x GPUs. ``comm``: one-sided backend for ``swiftfusion``
-    (``"shm"``, ``"nvshmem"`` or ``"auto"``).
+    (``"nvshmem"``, ``"auto"``: NVSHMEM on GPUs, or another registered backend, e.g. the CPU
+    emulation's ``"shm"``). ``options``: passed to the strategy's builder (``auto``:
+    ``usp_ulysses``, the Ulysses degree of xFuser's existing groups).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    spec = get(strategy)
     if num_heads is None:
         raise ValueError("num_heads is required: the Ulysses degree is gcd(world size, num_heads)")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialised; call dist.init_process_group "
                            "(torchrun) before init_sequence_parallel")
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_device()
     topo = detect_topology(world, topology)
     timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
-    placement = "usp" if strategy == "usp" else "tas"
-    mesh = choose_mesh(topo, num_heads, placement, ulysses_degree, ring_degree)
-    if strategy == "auto":  # decided lazily at the first call of each input shape
-        from .strategies.auto import AutoAttention
-        ctx = SequenceParallelContext("auto", topo, mesh, rank, num_heads, timeout_s, _impl=None)
-        ctx._impl = AutoAttention(topo, num_heads, rank, lambda s, u: init_sequence_parallel(
-            s, num_heads, topo, ulysses_degree=u, timeout_s=timeout_s, comm=comm), ctx._comms)
-        return ctx
-    if strategy in ("torus", "swiftfusion") and not mesh.torus_ready:
-        log_once(logger, f"fallback-{strategy}-{mesh}",
-                 f"{strategy}: the Torus schedule needs every ring group inside one machine "
-                 f"(ring degree {mesh.ring} must divide {topo.gpus_per_node} GPUs per machine; "
-                 f"mesh {mesh.describe()} on {topo}); running 'tas' instead")
-        strategy = "tas"
-    if strategy == "swiftfusion" and comm == "auto" and torch.cuda.is_available():
-        missing = [None] * world  # decided together: one rank alone falling back would hang
-        dist.all_gather_object(missing, importlib.util.find_spec("nvshmem") is None)
-        if any(missing):
-            log_once(logger, "fallback-swiftfusion-nvshmem",
-                     "swiftfusion: comm='auto' needs NVSHMEM on GPUs but nvshmem4py is not "
-                     f"installed on ranks {[r for r, m in enumerate(missing) if m]} "
-                     "(pip install nvshmem4py-cu13); running 'torus' (two-sided) instead")
-            strategy = "torus"
+    mesh = choose_mesh(topo, num_heads, spec.placement, ulysses_degree, ring_degree)
     node_of = [topo.node_of(x) for x in range(world)]
-    ctx = SequenceParallelContext(strategy, topo, mesh, rank, num_heads, timeout_s, _impl=None)
-    if strategy == "usp":
-        from .xfuser_state import init_xfuser_parallel, xfuser_parallel_initialized, xfuser_sp_layout
-        if xfuser_parallel_initialized():  # e.g. inside an xFuser run routed by the plugin
-            ulysses, ring, _ = xfuser_sp_layout()
-            if (ulysses, ring) != (mesh.ulysses, mesh.ring):
-                raise TopologyError(
-                    f"usp: xFuser's parallel state already exists with ulysses {ulysses} x ring "
-                    f"{ring}, but ulysses {mesh.ulysses} x ring {mesh.ring} was requested; pass "
-                    f"ulysses_degree={ulysses} or destroy xFuser's state first")
-            ctx.owns_xfuser_state = False  # runs xFuser's USP on the groups it already has
-        else:
-            init_xfuser_parallel(mesh.ulysses, mesh.ring, "usp")
-    elif strategy == "swiftfusion":
-        one = make_one_sided(comm, rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s)
-        ctx._comms.append(one)
-        one.prepare_groups(mesh.ring_groups)
-        ctx._impl = TorusAttention("swiftfusion", mesh, OneSidedTorusIO(mesh, one, rank), rank)
-    else:
-        two = make_two_sided("p2p", rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s)
-        ctx._comms.append(two)
-        if strategy == "tas":
-            ctx._impl = TasAttention(mesh, two, rank)
-        else:
-            ctx._impl = TorusAttention("torus", mesh, TwoSidedTorusIO(mesh, two, rank), rank)
-    logger.debug(f"rank {rank}: strategy {strategy}, topology {topo}, mesh {mesh.describe()}")
+    made: dict[str, object] = {}
+
+    def once(kind: str, make):
+        """One communicator of each kind per context (auto's children share it)."""
+        if kind not in made:
+            made[kind] = make()
+        return made[kind]
+
+    args = BuildArgs(
+        mesh=mesh, groups=build_groups(mesh, rank), rank=rank, num_heads=num_heads,
+        timeout_s=timeout_s,
+        one_sided=lambda: once("one", lambda: make_one_sided(
+            comm, rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s)),
+        two_sided=lambda: once("two", lambda: make_two_sided(
+            rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s)),
+        options={"comm": comm, **(options or {})})
+    impl = spec.resolve(mesh).build(args)
+    ctx = SequenceParallelContext(impl.spec.name, topo, mesh, rank, num_heads, timeout_s, impl)
+    logger.debug(f"rank {rank}: strategy {ctx.strategy}, topology {topo}, mesh {mesh.describe()}")
     return ctx

@@ -35,18 +35,21 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .log import get_logger, log_once
-from .topology import Mesh, Topology, TopologyError, choose_mesh, counted_inter_node_elements
+from .mesh import Mesh, choose_mesh, counted_inter_node_elements
+from .strategies.registry import StrategySpec, get, modelled
+from .topology import Topology, TopologyError
 
 logger = get_logger(__name__)
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
-STRATEGY_ORDER = ("usp", "tas", "torus", "swiftfusion")
+LINK_ENV = "SWIFTFUSION_LINK_MBIT"  # set by the CPU cluster emulation on throttled links
 
 
 @dataclass(frozen=True)
@@ -176,16 +179,14 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
 
 def get_profile(name: str, topology: Topology | None = None, link_mbit: float | None = None) -> HardwareProfile:
     """A shipped profile by name (``p4de``, ``p5``, ``h100-ndr``, ``cpu-emulated``).
-    ``cpu-emulated`` without ``link_mbit`` inside ``run_emulated(..., link=)`` uses the rate of
-    the rank's own throttled link (``netns.current_network``)."""
+    ``cpu-emulated`` without ``link_mbit`` uses ``$SWIFTFUSION_LINK_MBIT``, the rate of the
+    rank's own throttled link that the CPU cluster emulation sets (unset: loopback only)."""
     if name in GPU_PROFILES:
         return GPU_PROFILES[name]
     if name == "cpu-emulated":
         topo = topology or Topology(1, 4)
-        if link_mbit is None:
-            from .netns import current_network
-            net = current_network()
-            link_mbit = net.link.rate_mbit if net is not None else None
+        if link_mbit is None and os.environ.get(LINK_ENV):
+            link_mbit = float(os.environ[LINK_ENV])
         return cpu_profile(topo.world_size, topo.gpus_per_node, link_mbit)
     raise ValueError(f"unknown hardware profile {name!r}; choose one of {', '.join(PROFILES)}")
 
@@ -232,7 +233,6 @@ class _Model:
         self.X = w.batch * self.S * w.heads * w.head_dim   # elements per tensor per rank
         self.e = BYTES[w.dtype]
         self.h = w.heads // mesh.ulysses
-        self.cpu_comm = 0.0   # CPU work of transfers overlapping compute (shared host only)
         self.compute = 0.0
 
     # -- compute
@@ -323,7 +323,7 @@ def _torus(m: _Model, x: int) -> tuple[float, dict]:
     """The Torus stages (torus: two-sided; swiftfusion: one-sided)."""
     mesh, p = m.mesh, m.p
     T, U, R = mesh.torus, mesh.ulysses_intra, mesh.ring
-    t_, u_, r_ = mesh.coords(x)
+    t_, u_, _ = mesh.coords(x)
     ring = mesh.ring_groups[t_ * U + u_]
     blk = m.X / T                                            # one [U, B, h, S, D] block
     US = U * m.S
@@ -369,38 +369,37 @@ def _torus(m: _Model, x: int) -> tuple[float, dict]:
     return t, bd
 
 
+def _run(spec: StrategySpec, topology: Topology, workload: Workload, profile: HardwareProfile,
+         ulysses_degree: int | None) -> tuple[Mesh, StrategySpec, int, list[int], _Model, float, dict]:
+    """Mesh, the spec that runs on it (after its fallback), critical rank, bytes per rank, and
+    the model's latency and breakdown."""
+    mesh = choose_mesh(topology, workload.heads, spec.placement, ulysses_degree)
+    runs = spec.resolve(mesh, log=False)
+    x, per_rank = _critical_rank(mesh, workload, runs.ring)
+    m = _Model(mesh, workload, profile, one_sided=runs.one_sided)
+    if runs.schedule == "torus-stages":
+        latency, bd = _torus(m, x)
+    elif runs.schedule in ("ulysses-ring", "ulysses-gather"):
+        latency, bd = _ulysses_ring(m, x, gather=runs.schedule == "ulysses-gather")
+    else:
+        raise ValueError(f"no cost model for strategy {spec.name!r} (schedule {runs.schedule!r})")
+    return mesh, runs, x, per_rank, m, latency, bd
+
+
 def predict(strategy: str, topology: Topology, workload: Workload, profile: HardwareProfile,
             ulysses_degree: int | None = None) -> Prediction:
     """Latency of one attention layer for ``strategy`` with Ulysses degree ``ulysses_degree``
     (default ``gcd(N*M, H)``), with the fallback ``init_sequence_parallel`` applies."""
-    if strategy not in STRATEGY_ORDER:
-        raise ValueError(f"no cost model for strategy {strategy!r}; choose one of {STRATEGY_ORDER}")
-    placement = "usp" if strategy == "usp" else "tas"
-    mesh = choose_mesh(topology, workload.heads, placement, ulysses_degree)
-    runs_as = strategy
-    if strategy in ("torus", "swiftfusion") and not mesh.torus_ready:
-        runs_as = "tas"
-    ring_kind = "pull" if runs_as == "swiftfusion" else "pass"
-    x, per_rank = _critical_rank(mesh, workload, ring_kind)
-    m = _Model(mesh, workload, profile, one_sided=runs_as == "swiftfusion")
-    if runs_as in ("usp", "tas"):
-        latency, bd = _ulysses_ring(m, x, gather=runs_as == "usp")
-    else:
-        latency, bd = _torus(m, x)
-    return Prediction(strategy, runs_as, mesh.ulysses, mesh.ring, placement, latency, m.compute,
-                      per_rank[x] * BYTES[workload.dtype], bd)
+    spec = get(strategy)
+    mesh, runs, x, per_rank, m, latency, bd = _run(spec, topology, workload, profile, ulysses_degree)
+    return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement, latency,
+                      m.compute, per_rank[x] * BYTES[workload.dtype], bd)
 
 
 def inter_node_elements(strategy: str, topology: Topology, workload: Workload,
                         ulysses_degree: int | None = None) -> float:
     """Inter-machine elements of the critical rank as the model's phase terms add them up."""
-    profile = GPU_PROFILES["p4de"]
-    placement = "usp" if strategy == "usp" else "tas"
-    mesh = choose_mesh(topology, workload.heads, placement, ulysses_degree)
-    runs_as = "tas" if strategy in ("torus", "swiftfusion") and not mesh.torus_ready else strategy
-    x, _ = _critical_rank(mesh, workload, "pull" if runs_as == "swiftfusion" else "pass")
-    m = _Model(mesh, workload, profile, one_sided=runs_as == "swiftfusion")
-    bd = _ulysses_ring(m, x, runs_as == "usp")[1] if runs_as in ("usp", "tas") else _torus(m, x)[1]
+    bd = _run(get(strategy), topology, workload, GPU_PROFILES["p4de"], ulysses_degree)[-1]
     return bd["inter_elems"]
 
 
@@ -414,9 +413,9 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile)
     """Every (strategy, Ulysses degree) that runs as itself, predicted."""
     out = []
     for deg in ulysses_degrees(topology, workload.heads):
-        for s in STRATEGY_ORDER:
-            pr = predict(s, topology, workload, profile, deg)
-            if pr.runs_as == s:
+        for spec in modelled():
+            pr = predict(spec.name, topology, workload, profile, deg)
+            if pr.runs_as == spec.name:
                 out.append(pr)
     return out
 
@@ -424,25 +423,22 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile)
 def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
               usp_ulysses: int | None = None) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
-    ``STRATEGY_ORDER`` and the larger Ulysses degree. Never predicted slower than default usp.
-    ``usp_ulysses``: the only Ulysses degree usp may use (xFuser's groups already exist)."""
+    the registry's order and the larger Ulysses degree. Never predicted slower than the
+    baseline (``usp`` at its default degree). ``usp_ulysses``: the only Ulysses degree a
+    strategy on xFuser's existing groups may use (they are built already)."""
+    specs = {s.name: s for s in modelled()}
     cands = [p for p in candidates(topology, workload, profile)
-             if p.strategy != "usp" or usp_ulysses in (None, p.ulysses)]
-    usp = predict("usp", topology, workload, profile, usp_ulysses)
-    best = min(cands, key=lambda p: (round(p.latency_s / usp.latency_s, 3),
-                                     STRATEGY_ORDER.index(p.strategy), -p.ulysses))
-    return best if best.latency_s <= usp.latency_s else usp
-
-
-def step_latency(layer_s: float, layers: int, non_attention_s: float = 0.0) -> float:
-    """One diffusion step: ``layers`` attention layers plus everything else (measured apart)."""
-    return layers * layer_s + non_attention_s
-
-
-def prediction_dict(p: Prediction) -> dict:
-    return asdict(p) | {"exposed_comm_s": p.exposed_comm_s}
+             if not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses)]
+    order = list(specs)
+    baselines = [s for s in specs.values() if s.baseline]
+    base = (predict(baselines[0].name, topology, workload, profile, usp_ulysses)
+            if baselines else None)
+    ref = base.latency_s if base is not None else min(p.latency_s for p in cands)
+    best = min(cands, key=lambda p: (round(p.latency_s / ref, 3), order.index(p.strategy),
+                                     -p.ulysses))
+    return best if base is None or best.latency_s <= base.latency_s else base
 
 
 __all__ = ["HardwareProfile", "Workload", "Prediction", "PROFILES", "GPU_PROFILES", "get_profile",
            "cpu_profile", "predict", "candidates", "recommend", "ulysses_degrees",
-           "inter_node_elements", "step_latency", "prediction_dict"]
+           "inter_node_elements"]

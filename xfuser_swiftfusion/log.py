@@ -19,4 +19,4 @@ def log_once(logger: logging.Logger, key: str, msg: str, level: int = logging.WA
     """Log ``msg`` the first time ``key`` is seen in this process."""
     if key not in _seen:
         _seen.add(key)
-        logger.log(level, msg)
+        logger.log(level, msg, stacklevel=2)

@@ -1,21 +1,57 @@
-"""Communicators: one-sided (``shm`` on CPU, ``nvshmem`` on GPU) and two-sided (``p2p``).
+"""Communicators: one-sided (``nvshmem`` on GPUs) and two-sided (``p2p`` over torch.distributed).
 
+One-sided backends form a registry: ``nvshmem`` is built in; others come from the entry-point
+group ``xfuser_swiftfusion.one_sided`` (the CPU cluster emulation provides ``shm``, its
+shared-memory heap: ``(factory, device type it is the default for)``) or ``register_one_sided``.
 Backends are imported on demand, so this package imports without a GPU or nvshmem4py.
 """
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from .base import (QUEUES, ByteCounter, CommTimeout, Communicator, DoneHandle, Handle, OneSided,
-                   PeerFailure, SymmetricBuffers, TwoSided)
+from .base import (QUEUES, ByteCounter, CommTimeout, Communicator, Handle, OneSided, PeerFailure,
+                   SymmetricBuffers, TwoSided)
 
-__all__ = ["QUEUES", "ByteCounter", "CommTimeout", "Communicator", "DoneHandle", "Handle",
+__all__ = ["QUEUES", "ByteCounter", "CommTimeout", "Communicator", "ENTRY_POINT_GROUP", "Handle",
            "OneSided", "PeerFailure", "SymmetricBuffers", "TwoSided", "make_one_sided",
-           "make_two_sided", "ONE_SIDED_KINDS", "TWO_SIDED_KINDS"]
+           "make_two_sided", "one_sided_kinds", "register_one_sided"]
 
-ONE_SIDED_KINDS = ("auto", "shm", "nvshmem")
-TWO_SIDED_KINDS = ("auto", "p2p")
+
+def _nvshmem(*args) -> OneSided:
+    from .nvshmem import NvshmemCommunicator
+    return NvshmemCommunicator(*args)
+
+
+# name -> (factory(rank, world_size, node_of, timeout_s), device type it is the default for)
+_ONE_SIDED: dict[str, tuple[Callable[..., OneSided], str]] = {"nvshmem": (_nvshmem, "cuda")}
+
+
+ENTRY_POINT_GROUP = "xfuser_swiftfusion.one_sided"
+_loaded_entry_points = False
+
+
+def register_one_sided(name: str, factory: Callable[..., OneSided], default_for: str) -> None:
+    """Add a one-sided backend: ``factory(rank, world_size, node_of, timeout_s)``, the
+    ``comm="auto"`` choice on devices of type ``default_for``."""
+    _ONE_SIDED[name] = (factory, default_for)
+
+
+def _load_entry_points() -> None:
+    global _loaded_entry_points
+    if not _loaded_entry_points:
+        _loaded_entry_points = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name not in _ONE_SIDED:
+                register_one_sided(ep.name, *ep.load())
+
+
+def one_sided_kinds() -> tuple[str, ...]:
+    _load_entry_points()
+    return ("auto", *_ONE_SIDED)
 
 
 def _require_dist(kind: str) -> None:
@@ -26,25 +62,24 @@ def _require_dist(kind: str) -> None:
 
 def make_one_sided(kind: str = "auto", *, rank: int, world_size: int, node_of: list[int],
                    timeout_s: float) -> OneSided:
-    """``auto``: ``nvshmem`` when CUDA is available, else ``shm`` (collective)."""
-    if kind not in ONE_SIDED_KINDS:
-        raise ValueError(f"unknown one-sided communicator {kind!r}; choose from {ONE_SIDED_KINDS}")
+    """``auto``: the backend registered for this device type (``nvshmem`` with CUDA); collective."""
+    _load_entry_points()
     if kind == "auto":
-        kind = "nvshmem" if torch.cuda.is_available() else "shm"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        kinds = [k for k, (_, d) in _ONE_SIDED.items() if d == device]
+        if not kinds:
+            raise RuntimeError(
+                f"no one-sided communicator is registered for {device} tensors (NVSHMEM needs "
+                f"GPUs); registered: {', '.join(_ONE_SIDED)}")
+        kind = kinds[0]
+    if kind not in _ONE_SIDED:
+        raise ValueError(f"unknown one-sided communicator {kind!r}; choose from {one_sided_kinds()}")
     _require_dist(kind)
-    if kind == "shm":
-        from .shm import ShmCommunicator as cls
-    else:
-        from .nvshmem import NvshmemCommunicator as cls
-    return cls(rank, world_size, node_of, timeout_s)
+    return _ONE_SIDED[kind][0](rank, world_size, node_of, timeout_s)
 
 
-def make_two_sided(kind: str = "auto", *, rank: int, world_size: int, node_of: list[int],
-                   timeout_s: float, directional: bool = False) -> TwoSided:
-    """``p2p`` over torch.distributed (the only two-sided backend; ``auto`` picks it)."""
-    if kind not in TWO_SIDED_KINDS:
-        raise ValueError(f"unknown two-sided communicator {kind!r}; choose from {TWO_SIDED_KINDS}")
+def make_two_sided(*, rank: int, world_size: int, node_of: list[int], timeout_s: float) -> TwoSided:
+    """``isend``/``irecv`` over torch.distributed (NCCL on GPUs, gloo on CPU)."""
     _require_dist("p2p")
     from .p2p import P2PCommunicator
-
-    return P2PCommunicator(rank, world_size, node_of, timeout_s, directional=directional)
+    return P2PCommunicator(rank, world_size, node_of, timeout_s)

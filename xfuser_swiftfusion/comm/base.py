@@ -7,13 +7,16 @@ Two families share one byte accounting:
   local tensor into a peer's copy of a symmetric buffer, ``get`` of a peer's copy into a
   local tensor (across machines the local tensor must be symmetric too: NVSHMEM's
   InfiniBand/EFA transports need registered memory), both asynchronous on a named queue
-  (``"ring"`` or ``"other"``; a CUDA stream on GPU, a copy thread on CPU) and completed by
+  (``"ring"`` or ``"other"``; a small pool of CUDA streams on GPU, a copy thread on CPU) and completed by
   ``Handle.wait``. ``barrier_all`` and ``barrier(ranks)`` also complete every transfer the
   caller issued before them (quiet), so data put before a barrier is visible to its target
   after the barrier; ``sync(ranks)`` is the rendezvous alone (NVSHMEM's team sync):
   transfers still in flight stay in flight, so a pipeline of gets is not drained by it.
 - ``TwoSided`` (``p2p``): ``exchange`` of tensors with matching sends/receives, and
-  ``all_to_all``, over torch.distributed (NCCL on GPU, gloo on CPU).
+  ``all_to_all``, over torch.distributed (NCCL on GPU, gloo on CPU), on the same named queues
+  (one process group each). An exchange posts all its sends and receives as one grouped
+  operation: NCCL blocks a send until its receive is posted, so a rank's send to and receive
+  from one peer must progress together.
 
 Every wait takes ``what`` (a stage name such as ``"Pull-KV stage 2"``) and raises
 ``CommTimeout`` naming this rank, the peer(s) and the stage when ``timeout_s`` passes.
@@ -75,11 +78,6 @@ class Handle(abc.ABC):
         """Block until complete; raise ``CommTimeout``/``PeerFailure`` with context."""
 
 
-class DoneHandle(Handle):
-    def wait(self) -> None:
-        return None
-
-
 @dataclass
 class Communicator(abc.ABC):
     """State common to all backends: who we are, where peers live, timeouts, counters."""
@@ -108,6 +106,9 @@ class OneSided(Communicator):
     """Symmetric-heap put/get (NVSHMEM semantics)."""
 
     _buffers: "SymmetricBuffers"  # every backend registers its symmetric buffers here
+    # set by the owner after a failed call: close() then makes no collective call (peers may
+    # be mid-layer) and no device synchronize (their kernels may spin forever)
+    failed: bool = False
 
     @abc.abstractmethod
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -192,10 +193,13 @@ class TwoSided(Communicator):
 
     @abc.abstractmethod
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 *, what: str) -> Handle:
-        """Post all ``(tensor, peer)`` sends and receives at once; one handle for the batch.
-        Pairs with my own rank are local copies (matched in list order)."""
+                 *, what: str, queue: str = "other") -> Handle:
+        """Post all ``(tensor, peer)`` sends and receives in one grouped operation on ``queue``;
+        one handle for the batch. Messages with one peer in one direction match in list order;
+        pairs with my own rank are local copies (matched in list order)."""
 
     @abc.abstractmethod
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *, what: str) -> None:
-        """All-to-all of equal chunks along dim 0 of ``inp`` over ``ranks`` (in that order)."""
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *, what: str,
+                   queue: str = "other") -> None:
+        """All-to-all of equal chunks along dim 0 of ``inp`` over ``ranks`` (in that order), as
+        one ``exchange`` on ``queue``."""

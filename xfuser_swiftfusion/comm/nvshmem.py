@@ -1,20 +1,48 @@
 """NVSHMEM symmetric heap through nvshmem4py (``pip install nvshmem4py-cu13``; GPU only).
 
-Bootstrap: rank 0's ``nvshmem.core.get_unique_id()`` (a 128-byte ``nvshmemx_uniqueid_t``)
-is broadcast over torch.distributed, then every rank calls ``nvshmem.core.init(device=,
-uid=, rank=, nranks=, initializer_method="uid")``; NVSHMEM PE ids equal global ranks.
+One NVSHMEM instance per process (``_Runtime``), shared by every communicator: the first one
+initialises it (collective: every rank's ``(host, GPU uuid, device)`` is gathered to refuse two
+ranks on one GPU, then rank 0's ``nvshmem.core.get_unique_id()``, 128 bytes, is broadcast over
+torch.distributed and every rank calls ``nvshmem.core.init(device=, uid=, rank=, nranks=,
+initializer_method="uid")``; PE ids equal global ranks), the last one to close finalizes it
+(``finalize`` frees every NVSHMEM buffer of the process, so it runs only when no communicator
+is left; libnvshmem 3.x re-initialises after a finalize). Each communicator frees only its own
+symmetric tensors and teams, in creation order (both collective).
 
-Symmetric buffers are ``nvshmem.core.tensor``; a view of one is addressed by its local
-address (symmetric addresses are valid on every PE). ``put``/``get`` decompose that view into
-contiguous byte runs and issue ``nvshmemx_{put,get}mem_on_stream`` per run on the queue's
-CUDA stream (``"ring"`` or ``"other"``), after the current stream; a non-contiguous local side
-(only allowed within a machine) is staged through a contiguous temporary on the same stream.
-A handle is a CUDA event on that stream: ``wait`` polls it against the timeout, then orders
-the current stream after it.
-Barriers run on a third stream after both queues and the current stream (NVSHMEM barriers
-also complete every transfer this PE issued), a ``sync`` after the current stream only; groups
-are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``. ``close`` is collective: it frees every
-symmetric tensor and team in creation order, then finalizes NVSHMEM.
+Device: ``LOCAL_RANK``'s GPU (the only visible one when a process sees one GPU), or the current
+device without ``LOCAL_RANK``; a device the caller already chose must be that GPU. Streams are
+created on it and every NVSHMEM launch happens inside ``torch.cuda.stream(s)``, which makes
+``s``'s device current.
+
+Transfers: a symmetric view is addressed by its local address (symmetric addresses are valid on
+every PE) and decomposed into contiguous byte runs. Each queue (``"ring"``, ``"other"``) is a
+pool of ``STREAMS_PER_QUEUE`` CUDA streams used in turn, so several transfers are in flight;
+transfers of one queue are not ordered among themselves, only after the caller's current stream
+at issue. With a peer on my machine each run is ``nvshmemx_{put,get}mem_on_stream`` (a copy
+in stream order, no quiet); with a peer on another machine every run is ``..._nbi_on_stream``
+and one ``nvshmemx_quiet_on_stream`` completes the transfer (NVSHMEM's quiet is per PE, so a
+quiet placed later would also wait for transfers issued after this one). A non-contiguous local
+side (only allowed within a machine) is staged through a contiguous temporary on the same
+stream. A handle is a CUDA event on that stream: ``wait`` makes the caller's current stream wait
+on it and returns without blocking the host.
+
+Barriers run on their own stream after the caller's current stream and every pool stream used
+since the previous barrier (so they quiet first); ``sync`` runs after the current stream only.
+Groups are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``.
+
+Timeouts: one watchdog thread per communicator queries the events of transfers and barriers;
+one not complete ``timeout_s`` after it was issued fails the communicator: the next call into it
+raises ``CommTimeout`` naming rank, peer and stage (into another communicator of the process:
+``PeerFailure``). NVSHMEM kernels cannot be cancelled, so a failed process cannot use NVSHMEM
+again; if the communicator is not closed within ``abort_after_s`` of the failure (its host
+thread may be blocked in a CUDA call behind the stuck kernel, or in a collective teardown a peer
+never joins), the watchdog logs the failure and ends the process (exit status 1).
+
+Close: after a failure (``failed`` set, by the watchdog or the caller; or a failure of another
+communicator of the process) ``close`` makes no device synchronize and no collective call (free,
+team destroy, finalize): it logs rank and failure and returns. Otherwise it waits (bounded by
+``timeout_s``) for its streams and the current stream, then frees its tensors and teams and
+releases the instance, under the watchdog.
 
 Over InfiniBand/EFA NVSHMEM needs the local side of an RMA to be registered memory (an
 unregistered source fails in the proxy with IBV_WC_LOC_PROT_ERR): ``check_transfer`` refuses
@@ -24,7 +52,12 @@ nvshmem4py is imported lazily: this module imports without it and without a GPU.
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import os
+import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -34,12 +67,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import QUEUES, CommTimeout, Handle, OneSided, SymmetricBuffers
+from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
 from ..log import get_logger
 
 log = get_logger("xfuser_swiftfusion.comm")
 
 UID_BYTES = 128
+STREAMS_PER_QUEUE = 4
 
 
 def nvshmem_modules() -> tuple[ModuleType, ModuleType]:
@@ -106,45 +140,306 @@ def team_split_args(group: Sequence[int]) -> tuple[int, int, int]:
     return ranks[0], stride, len(ranks)
 
 
+# -- device of a rank ------------------------------------------------------------------------
+
+def choose_device(rank: int, local_rank: str | None, current: int, count: int,
+                  chosen: bool) -> tuple[int, str | None]:
+    """``(device index, error or None)`` of this rank: ``LOCAL_RANK``'s GPU (index 0 when the
+    process sees one GPU), else the current device. ``chosen``: CUDA is already initialised in
+    this process, so the current device is the caller's choice and must be that GPU."""
+    if local_rank in (None, ""):
+        return current, None
+    local = int(local_rank)
+    if count > 1 and not 0 <= local < count:
+        return current, (f"rank {rank}: LOCAL_RANK={local} but this process sees {count} GPUs "
+                         f"(cuda:0..cuda:{count - 1})")
+    want = 0 if count == 1 else local
+    if chosen and current != want:
+        return current, (f"rank {rank}: the current CUDA device is cuda:{current} but LOCAL_RANK="
+                         f"{local} selects cuda:{want}: call torch.cuda.set_device({want}) before "
+                         "creating CUDA tensors or process groups")
+    return want, None
+
+
+def device_row(index: int, error: str | None) -> tuple[str, str, int, str | None]:
+    """What a rank contributes to the device check: ``(host, GPU uuid, index, error)``."""
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    return socket.gethostname(), uuid, index, error
+
+
+def check_device_rows(rows: Sequence[tuple[str, str, int, str | None]]) -> None:
+    """Raise (on every rank alike) if a rank reported an error or two ranks share one GPU:
+    several PEs per GPU put NVSHMEM in a limited mode where team barriers on a stream are
+    unsupported."""
+    errors = [row[3] for row in rows if row[3]]
+    if errors:
+        raise RuntimeError("NVSHMEM device check failed: " + "; ".join(errors))
+    seen: dict[tuple[str, ...], int] = {}
+    for r, (host, uuid, index, _) in enumerate(rows):
+        key = ("uuid", uuid) if uuid else ("host", host, str(index))
+        if key in seen:
+            o = seen[key]
+            raise RuntimeError(
+                f"ranks {o} and {r} share one GPU (rank {o}: cuda:{rows[o][2]} on {rows[o][0]}, "
+                f"rank {r}: cuda:{index} on {host}{', uuid ' + uuid if uuid else ''}): NVSHMEM "
+                "needs one GPU per rank (several PEs on one GPU have no team barriers on a "
+                "stream); set each rank's device from LOCAL_RANK (torch.cuda.set_device)")
+        seen[key] = r
+
+
+def _all_gather_object(obj: Any, world_size: int) -> list[Any]:
+    """``dist.all_gather_object`` over the default group."""
+    rows: list[Any] = [None] * world_size
+    dist.all_gather_object(rows, obj)
+    return rows
+
+
+def _cuda_core_device(index: int) -> Any:
+    """``cuda.core.Device(index)``, made current (nvshmem4py binds the PE to it)."""
+    from cuda.core import Device
+
+    device = Device(index)
+    device.set_current()
+    return device
+
+
+def _abort(message: str) -> None:
+    """End the process: its NVSHMEM kernels cannot be cancelled and its host thread does not
+    come back to see the failure."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+# -- the process's NVSHMEM instance ------------------------------------------------------------
+
+@dataclass
+class _Runtime:
+    """The process's NVSHMEM instance. ``users`` communicators hold it; initialised by the first,
+    finalized by the last unless a failure was recorded (then never: its collectives would wait
+    on kernels that never finish), and then refused to later communicators."""
+
+    users: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    device: int | None = None
+    failure: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def acquire(self, comm: "NvshmemCommunicator", core: ModuleType, error: str | None) -> None:
+        """Collective when no communicator holds the instance (every rank alike): check the
+        devices of all ranks, then initialise NVSHMEM on ``comm.device``."""
+        index = comm.device.index
+        with self.lock:
+            if self.failure is not None:
+                raise PeerFailure(f"rank {comm.rank}: NVSHMEM failed earlier in this process "
+                                  f"({self.failure}); it cannot be used again: restart the process")
+            if self.users:
+                if error:
+                    raise RuntimeError(error)
+                if (self.rank, self.world_size, self.device) != (comm.rank, comm.world_size, index):
+                    raise ValueError(
+                        f"rank {comm.rank}: NVSHMEM is initialised in this process as PE "
+                        f"{self.rank} of {self.world_size} on cuda:{self.device}; a communicator "
+                        f"for rank {comm.rank} of {comm.world_size} on cuda:{index} cannot share it")
+                self.users += 1
+                return
+            check_device_rows(_all_gather_object(device_row(index, error), comm.world_size))
+            uid = broadcast_unique_id(comm.rank)
+            core.init(device=_cuda_core_device(index), uid=uid, rank=comm.rank,
+                      nranks=comm.world_size, initializer_method="uid")
+            self.users, self.rank, self.world_size, self.device = 1, comm.rank, comm.world_size, index
+        log.info("rank %d: NVSHMEM %s initialised on cuda:%d", comm.rank,
+                 core.get_version().libnvshmem_version, index)
+
+    def release(self, core: ModuleType, failure: BaseException | None) -> None:
+        """One communicator leaves; the last one finalizes unless a failure was recorded."""
+        with self.lock:
+            self.users -= 1
+            if failure is not None:
+                self.fail(failure)
+            if self.users or self.failure is not None:
+                return
+            self.rank = self.world_size = self.device = None
+        core.finalize()  # collective; outside the lock, which a watchdog may need meanwhile
+
+    def fail(self, failure: BaseException) -> None:
+        """Record the first failure (any thread, without the lock)."""
+        if self.failure is None:
+            self.failure = failure
+
+
+_RUNTIME = _Runtime()
+
+
+# -- watchdog ------------------------------------------------------------------------------------
+
+@dataclass
+class _Watched:
+    done: Callable[[], bool]  # a CUDA event's query, or a host step's flag
+    deadline: float
+    doing: str
+    what: str
+
+
+class _Watchdog:
+    """One host thread per communicator: fails it when a watched event is not complete
+    ``timeout_s`` after it was issued, and ends the process if the communicator is not closed
+    within ``abort_after_s`` after that."""
+
+    def __init__(self, comm: "NvshmemCommunicator") -> None:
+        self._comm = comm
+        self._incoming: collections.deque[_Watched] = collections.deque()
+        self._pending: list[_Watched] = []
+        self._stop = threading.Event()
+        self._poll_s = min(0.05, max(comm.timeout_s / 10, 1e-3))
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                         name=f"swiftfusion-nvshmem-watchdog-r{comm.rank}")
+        self._thread.start()
+
+    def watch(self, done: Callable[[], bool], doing: str, what: str) -> None:
+        """Fail the communicator unless ``done()`` within ``timeout_s`` from now."""
+        self._incoming.append(_Watched(done, time.monotonic() + self._comm.timeout_s, doing, what))
+
+    def oldest_pending(self) -> _Watched | None:
+        """The oldest watched step not complete."""
+        return next((w for w in (*self._pending, *self._incoming) if not w.done()), None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
+    def _drain_incoming(self) -> None:
+        while self._incoming:
+            self._pending.append(self._incoming.popleft())
+
+    def _run(self) -> None:
+        comm = self._comm
+        # event queries from this thread must not create a context on GPU 0
+        torch.cuda.set_device(comm.device.index)
+        exc: BaseException | None = None
+        while exc is None and not self._stop.wait(self._poll_s):
+            self._drain_incoming()
+            try:
+                self._pending = [w for w in self._pending if not w.done()]
+            except Exception as err:  # an asynchronous CUDA error: the device is unusable
+                exc = PeerFailure(f"rank {comm.rank}: CUDA error while NVSHMEM transfers were in "
+                                  f"flight on cuda:{comm.device.index}: {err}")
+                break
+            now = time.monotonic()
+            late = next((w for w in self._pending if w.deadline < now), None)
+            if late is not None:
+                exc = CommTimeout(
+                    f"rank {comm.rank}: {late.what!r}: {late.doing} did not complete within "
+                    f"{comm.timeout_s:.1f} s (a peer is gone or stuck; NVSHMEM kernels on "
+                    f"cuda:{comm.device.index} cannot be cancelled)")
+        if exc is None:
+            return
+        comm._fail(exc)
+        log.error("%s", exc)
+        grace = comm.abort_after_s if comm.abort_after_s is not None else comm.timeout_s
+        if not self._stop.wait(grace):
+            _abort(f"xfuser_swiftfusion: {exc}; the communicator was not closed within "
+                   f"{grace:.1f} s after that: ending the process")
+
+
+# -- the communicator ----------------------------------------------------------------------------
+
 class _EventHandle(Handle):
-    def __init__(self, comm: "NvshmemCommunicator", event: Any, doing: str, what: str) -> None:
-        self._comm, self._event, self._doing, self._what = comm, event, doing, what
+    """Completion of one transfer: a CUDA event on its stream."""
+
+    __slots__ = ("_comm", "_event")
+
+    def __init__(self, comm: "NvshmemCommunicator", event: Any) -> None:
+        self._comm, self._event = comm, event
 
     def wait(self) -> None:
-        self._comm._await(self._event, self._doing, self._what)
+        """Order the caller's current stream after the transfer (the host does not block; the
+        watchdog bounds it)."""
+        self._comm._check()
+        self._comm._current_stream().wait_event(self._event)
+
+
+def _record_stream(t: torch.Tensor, stream: Any) -> None:
+    """The caching allocator must not reuse ``t`` before ``stream`` is done with it."""
+    if t.is_cuda:
+        t.record_stream(stream)
 
 
 @dataclass(eq=False)
 class NvshmemCommunicator(OneSided):
-    """One-sided communicator over NVSHMEM on the current CUDA device."""
+    """One-sided communicator over NVSHMEM on this rank's GPU (``device``)."""
 
     _buffers: SymmetricBuffers = field(init=False, repr=False)
+    failed: bool = field(default=False, init=False)  # the caller's call failed: close skips collectives
+    abort_after_s: float | None = field(default=None, init=False)  # None: timeout_s
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._open = False
         if not torch.cuda.is_available():
             raise RuntimeError("the nvshmem backend needs a CUDA GPU (torch.cuda.is_available() "
                                "is False); use the 'shm' backend on CPU")
         if not dist.is_initialized():
             raise RuntimeError("NvshmemCommunicator needs torch.distributed initialised")
         core, self._bindings = nvshmem_modules()
-        from cuda.core import Device
-
-        device = Device(torch.cuda.current_device())
-        device.set_current()
-        core.init(device=device, uid=broadcast_unique_id(self.rank), rank=self.rank,
-                  nranks=self.world_size, initializer_method="uid")
         self._core = core
-        self._buffers = SymmetricBuffers()
-        self._heap_bytes = 0
-        self._teams: dict[tuple[int, ...], Any] = {}
-        self._streams = {q: torch.cuda.Stream() for q in (*QUEUES, "barrier")}
+        index, error = choose_device(self.rank, os.environ.get("LOCAL_RANK"),
+                                     torch.cuda.current_device(), torch.cuda.device_count(),
+                                     torch.cuda.is_initialized())
+        if error is None:
+            torch.cuda.set_device(index)
+        self.device = torch.device("cuda", index)
+        _RUNTIME.acquire(self, core, error)
+        try:
+            self._buffers = SymmetricBuffers()
+            self._heap_bytes = 0
+            self._teams: dict[tuple[int, ...], Any] = {}
+            self._pools = {q: [torch.cuda.Stream(device=self.device)
+                               for _ in range(STREAMS_PER_QUEUE)] for q in QUEUES}
+            self._turn = dict.fromkeys(QUEUES, 0)
+            self._used: dict[int, Any] = {}  # pool streams used since the last barrier, by id
+            self._barrier_stream = torch.cuda.Stream(device=self.device)
+            self._failure: BaseException | None = None
+            self._failure_seen = False  # raised to the caller at least once
+            self._watchdog = _Watchdog(self)
+        except BaseException as exc:
+            _RUNTIME.release(core, exc)
+            raise
         self._open = True
-        log.info("rank %d: NVSHMEM %s initialised on cuda:%d", self.rank,
-                 core.get_version().libnvshmem_version, torch.cuda.current_device())
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What the watchdog found (a transfer, barrier or teardown past ``timeout_s``), or None."""
+        return self._failure
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record a failure (any thread): every later call raises it; close skips collectives."""
+        self._failure = exc
+        _RUNTIME.fail(exc)
+
+    def _check(self) -> None:
+        """Raise if closed or if this communicator (or another one of the process) failed."""
+        if not self._open:
+            raise RuntimeError(f"rank {self.rank}: this NVSHMEM communicator is closed")
+        if self._failure is not None:
+            self._failure_seen = True
+            raise type(self._failure)(str(self._failure))
+        if _RUNTIME.failure is not None:
+            raise PeerFailure(f"rank {self.rank}: NVSHMEM failed in this process: {_RUNTIME.failure}")
+
+    def _current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    # -- buffers and transfers ---------------------------------------------------------------------
 
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = self._core.tensor(tuple(shape), dtype=dtype)
+        self._check()
+        with torch.cuda.device(self.device):
+            t = self._core.tensor(tuple(shape), dtype=dtype)
         self._buffers.add(t, t)
         self._heap_bytes += t.numel() * t.element_size()
         return t
@@ -154,28 +449,41 @@ class NvshmemCommunicator(OneSided):
 
     def _transfer(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, queue: str,
                   what: str) -> Handle:
+        self._check()
         sym, local = (dst, src) if op == "put" else (src, dst)
         self.check_transfer(sym, local, peer, queue)
         self._buffers.lookup(sym)
-        stream = self._streams[queue]
-        stream.wait_stream(torch.cuda.current_stream())
+        if local.device != sym.device:
+            raise ValueError(f"rank {self.rank}: {what!r}: the local side of a {op} is on "
+                             f"{local.device}, the communicator's buffers on {sym.device}")
+        remote = self.node_of[peer] != self.node_of[self.rank]
+        b = self._bindings
+        issue = ((b.putmem_nbi_on_stream if op == "put" else b.getmem_nbi_on_stream) if remote
+                 else (b.putmem_on_stream if op == "put" else b.getmem_on_stream))
+        pool = self._pools[queue]
+        stream = pool[self._turn[queue]]
+        self._turn[queue] = (self._turn[queue] + 1) % len(pool)
+        self._used[id(stream)] = stream
+        stream.wait_stream(self._current_stream())
         with torch.cuda.stream(stream):
             staged = local if local.is_contiguous() else (
                 local.contiguous() if op == "put" else torch.empty(local.shape, dtype=local.dtype,
                                                                    device=local.device))
-            issue = self._bindings.putmem_on_stream if op == "put" else self._bindings.getmem_on_stream
             pos = 0
             for off, n in contiguous_runs(sym):
                 far, near = sym.data_ptr() + off, staged.data_ptr() + pos
                 issue(*((far, near) if op == "put" else (near, far)), n, peer, stream.cuda_stream)
                 pos += n
+            if remote:  # nvshmemx_*_nbi_on_stream complete at the next quiet
+                b.quiet_on_stream(stream.cuda_stream)
             if staged is not local and op == "get":
                 local.copy_(staged)
             event = torch.cuda.Event()
             event.record(stream)
-        local.record_stream(stream)  # the allocator must not reuse it before the queue is done
+        _record_stream(local, stream)
         self.counter.count(peer, sym.numel() * sym.element_size())
-        return _EventHandle(self, event, f"{op} with peer {peer} on queue {queue!r}", what)
+        self._watchdog.watch(event.query, f"{op} with peer {peer} on queue {queue!r}", what)
+        return _EventHandle(self, event)
 
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
         return self._transfer("put", dst, src, peer, queue, what)
@@ -183,38 +491,41 @@ class NvshmemCommunicator(OneSided):
     def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
         return self._transfer("get", dst, src, peer, queue, what)
 
-    def _await(self, event: Any, doing: str, what: str) -> None:
-        """Poll ``event`` until done or the timeout, then order the current stream after it."""
-        deadline, delay = time.monotonic() + self.timeout_s, 1e-5
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"rank {self.rank}: {what!r}: {doing} did not complete within "
-                                  f"{self.timeout_s:.1f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        torch.cuda.current_stream().wait_event(event)
+    # -- barriers ----------------------------------------------------------------------------------
 
-    def _barrier(self, issue: Callable[[int], None], doing: str, what: str, quiet: bool = True) -> None:
-        stream = self._streams["barrier"]
-        after = (self._streams["ring"], self._streams["other"]) if quiet else ()
-        for s in (*after, torch.cuda.current_stream()):
-            stream.wait_stream(s)
-        issue(stream.cuda_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._await(event, doing, what)
+    def _barrier(self, issue: Callable[[int], Any], doing: str, what: str, quiet: bool = True) -> None:
+        """``issue(stream)`` on the barrier stream after the current stream (and, to quiet, every
+        pool stream used since the previous barrier); the current stream then waits for it."""
+        self._check()
+        stream, caller = self._barrier_stream, self._current_stream()
+        if quiet:
+            for s in self._used.values():
+                stream.wait_stream(s)
+            self._used.clear()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            status = issue(stream.cuda_stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if status:  # nvshmemx_team_sync_on_stream returns a status
+            raise RuntimeError(f"rank {self.rank}: {what!r}: {doing} failed with NVSHMEM status "
+                               f"{status}")
+        caller.wait_event(event)
+        self._watchdog.watch(event.query, doing, what)
 
     def barrier_all(self, *, what: str) -> None:
         self._barrier(self._bindings.barrier_all_on_stream, "barrier over all ranks", what)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Collective: one NVSHMEM team per distinct group (``None`` on non-members)."""
+        self._check()
         for key in dict.fromkeys(tuple(sorted(g)) for g in groups):
             if key in self._teams:
                 continue
             start, stride, size = team_split_args(key)
-            team = self._core.team_split_strided(self._core.Teams.TEAM_WORLD, start, stride, size,
-                                                 self._core.TeamConfig(), 0)
+            with torch.cuda.device(self.device):
+                team = self._core.team_split_strided(self._core.Teams.TEAM_WORLD, start, stride,
+                                                     size, self._core.TeamConfig(), 0)
             self._teams[key] = team
 
     def _team(self, ranks: tuple[int, ...]) -> int:
@@ -237,17 +548,87 @@ class NvshmemCommunicator(OneSided):
         self._barrier(lambda s: self._bindings.team_sync_on_stream(team, s),
                       f"sync over ranks {ranks}", what, quiet=False)
 
-    def close(self) -> None:
-        """Collective: free tensors and teams in creation order, then finalize NVSHMEM."""
+    # -- close -------------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Wait on the host, at most ``timeout_s``, for every stream of this communicator and the
+        caller's current stream."""
+        events = []
+        for s in (*itertools.chain(*self._pools.values()), self._barrier_stream,
+                  self._current_stream()):
+            e = torch.cuda.Event()
+            e.record(s)
+            events.append(e)
+        deadline = time.monotonic() + self.timeout_s
+        for e in events:
+            while not e.query():
+                if self._failure is not None:
+                    self._failure_seen = True
+                    raise type(self._failure)(str(self._failure))
+                if time.monotonic() > deadline:
+                    late = self._watchdog.oldest_pending()
+                    stage = f" (oldest unfinished: {late.what!r}: {late.doing})" if late else ""
+                    raise CommTimeout(f"rank {self.rank}: 'close': the NVSHMEM streams on cuda:"
+                                      f"{self.device.index} did not drain within "
+                                      f"{self.timeout_s:.1f} s{stage}")
+                time.sleep(1e-3)
+
+    def _abandon(self, reason: BaseException | str) -> None:
+        """Leave after a failure: no device synchronize, no collective call."""
+        log.error("rank %d: closing the NVSHMEM communicator on cuda:%d after a failure (%s): "
+                  "no device synchronize; symmetric buffers (%d) and teams (%d) are not freed and "
+                  "NVSHMEM is not finalized (collective calls would wait on stuck kernels); this "
+                  "process cannot use NVSHMEM again", self.rank, self.device.index, reason,
+                  len(self._buffers.entries()), sum(t is not None for t in self._teams.values()))
+        self._buffers.clear()
+        self._teams.clear()
+        _RUNTIME.release(self._core, reason if isinstance(reason, BaseException)
+                         else PeerFailure(f"rank {self.rank}: {reason}"))
+
+    def close(self, failed: bool = False) -> None:
+        """Release this communicator (idempotent). After a failure (``failed`` or ``self.failed``:
+        the caller's; ``failure``: the watchdog's; or one of another communicator of the process)
+        return without device synchronize or collective call; a watchdog failure that neither the
+        caller reported nor a call raised is raised after that. Else collective: free tensors and
+        teams in creation order; the last communicator finalizes NVSHMEM."""
         if not getattr(self, "_open", False):
             return
         self._open = False
-        torch.cuda.synchronize()
-        for t in self._buffers.entries():
-            self._core.free_tensor(t)
-        self._buffers.clear()
-        for team in self._teams.values():
-            if team is not None:
-                self._core.team_destroy(int(team))
-        self._teams.clear()
-        self._core.finalize()
+        self.failed = self.failed or failed
+        if self.failed or self._failure is not None or _RUNTIME.failure is not None:
+            self._watchdog.stop()
+            unseen = None if self._failure_seen or self.failed else self._failure
+            self._abandon(self._failure or _RUNTIME.failure or "the caller reported a failed call")
+            if unseen is not None:
+                raise type(unseen)(str(unseen))
+            return
+        try:
+            self._drain()
+        except (CommTimeout, PeerFailure) as exc:
+            self._watchdog.stop()
+            self._abandon(exc)
+            raise
+        # the watchdog bounds the collective teardown too: a peer that left meanwhile never
+        # joins the barriers inside free and finalize, and this thread cannot leave them
+        finished = threading.Event()
+        self._watchdog.watch(finished.is_set, "collective teardown (free, team destroy, "
+                             "finalize) with every rank", "close")
+        ok = False
+        try:
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.device(self.device):
+                for t in self._buffers.entries():
+                    self._core.free_tensor(t)
+                for team in self._teams.values():
+                    if team is not None:
+                        self._core.team_destroy(int(team))
+            ok = True
+        finally:
+            self._buffers.clear()
+            self._teams.clear()
+            try:
+                _RUNTIME.release(self._core, None if ok else PeerFailure(
+                    f"rank {self.rank}: freeing NVSHMEM buffers or teams failed"))
+            finally:
+                finished.set()
+                self._watchdog.stop()

@@ -1,15 +1,25 @@
 """Two-sided communicator over torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
 
-Every transfer is an ``isend``/``irecv`` pair on global ranks, so no subgroup objects are
-needed for arbitrary rank sets. Messages between one pair of ranks match in posting order.
+Every ``exchange`` is ONE ``dist.batch_isend_irecv`` call holding all its sends and receives.
+On NCCL that call is one NCCL group on the process group's communicator: a send to and a
+receive from the same peer progress together, where separate ``isend``/``irecv`` calls would
+share a lazily created 2-rank communicator and stream and block until matched, so two ranks
+that both post their receive first deadlock (NVIDIA/nccl#479, pytorch#132852). On gloo the call
+posts the same operations one by one, without blocking. Within a batch, messages between one
+pair of ranks in one direction match in list order.
 
-``directional=True`` sends rank pairs' traffic on two process groups, one per direction
-(lower -> higher rank, higher -> lower): gloo has one socket per rank pair and group, so two
-ranks sending to each other at once on one group halve each other's throughput.
+Each queue (``"ring"``, ``"other"``) has its own process group over all ranks, so ring traffic
+and everything else run on two NCCL communicators (one stream each) and overlap. The groups are
+created once per default process group, collectively, in ``QUEUES`` order, by the first
+communicator; on NCCL their communicators are initialised right then (``device_id`` and a
+one-element all-reduce), never lazily by a first batch. Concurrent NCCL communicators need
+every rank to issue their operations in one global order: the strategies do (every rank runs
+the same schedule).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,11 +28,41 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .base import CommTimeout, Handle, PeerFailure, TwoSided
+from .base import QUEUES, CommTimeout, Handle, PeerFailure, TwoSided
+
+_queue_groups: tuple[Any, dict[str, Any]] | None = None
+"""(default process group, queue -> process group over all its ranks) of the current world."""
+
+
+def _nccl_device() -> torch.device:
+    """The CUDA device the default group is bound to, else the current one."""
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def queue_groups() -> dict[str, Any]:
+    """Collective on first use in a world: one process group over all ranks per queue."""
+    global _queue_groups
+    world = dist.group.WORLD
+    if _queue_groups is None or _queue_groups[0] is not world:
+        if "nccl" in str(dist.get_backend()):
+            device = _nccl_device()
+            has_device_id = "device_id" in inspect.signature(dist.new_group).parameters
+            eager = {"device_id": device} if has_device_id else {}
+            groups = {}
+            for q in QUEUES:
+                groups[q] = dist.new_group(**eager)
+                # creates the group's communicator now on every torch/NCCL version (eager init
+                # depends on NCCL's comm split); batches reuse it
+                dist.all_reduce(torch.zeros(1, device=device), group=groups[q])
+        else:
+            groups = {q: dist.new_group() for q in QUEUES}
+        _queue_groups = (world, groups)
+    return _queue_groups[1]
 
 
 class _WorkHandle(Handle):
-    """Pending isend/irecv works; on completion, copy staged receives into their targets."""
+    """Pending works of one batch; on completion, copy staged receives into their targets."""
 
     def __init__(self, comm: "P2PCommunicator", works: list[Any],
                  unstage: list[tuple[torch.Tensor, torch.Tensor]], peers: list[int], what: str) -> None:
@@ -42,46 +82,44 @@ class _WorkHandle(Handle):
                 raise PeerFailure(f"{doing} failed: {exc}") from exc
         for dst, staged in self._unstage:
             dst.copy_(staged)
+            if staged.is_cuda:  # allocated on the issue stream, read here on the current one
+                staged.record_stream(torch.cuda.current_stream())
         self._works, self._unstage = [], []
 
 
 @dataclass(eq=False)
 class P2PCommunicator(TwoSided):
-    """``exchange``/``all_to_all`` from isend/irecv; optionally one process group per direction."""
+    """``exchange``/``all_to_all`` as one ``batch_isend_irecv`` each, on the queue's group
+    (a batch runs on one process group, so both directions between two ranks share it)."""
 
-    directional: bool = False
-    _groups: tuple[Any, Any] | None = field(init=False, default=None, repr=False)
+    _groups: dict[str, Any] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not dist.is_initialized():
             raise RuntimeError("P2PCommunicator needs torch.distributed initialised")
-        if self.directional:  # collective: every rank creates both, in this order
-            self._groups = (dist.new_group(list(range(self.world_size))),
-                            dist.new_group(list(range(self.world_size))))
-        self._stream = torch.cuda.Stream() if dist.get_backend() == "nccl" else None
-
-    def _group(self, src: int, dst: int) -> Any:
-        """Process group carrying messages ``src -> dst`` (None: the default group)."""
-        if self._groups is None:
-            return None
-        return self._groups[0] if src < dst else self._groups[1]
+        self._groups = queue_groups()
+        self._streams = ({q: torch.cuda.Stream() for q in QUEUES}
+                         if "nccl" in str(dist.get_backend()) else {})
 
     @contextlib.contextmanager
-    def _issue_stream(self) -> Iterator[None]:
-        """On CUDA, issue on a side stream ordered after the current (compute) stream."""
-        if self._stream is None:
+    def _issue_stream(self, queue: str) -> Iterator[None]:
+        """On CUDA, issue on the queue's side stream, ordered after the current (compute) one."""
+        stream = self._streams.get(queue)
+        if stream is None:
             yield
             return
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             yield
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 *, what: str) -> Handle:
-        """Post every receive, then every send; one handle for the batch. Sends and receives
-        with the same peer match in list order; those with myself are copied here, now.
-        Sources must stay unchanged until waited."""
+                 *, what: str, queue: str = "other") -> Handle:
+        """Post every send and receive in one batch on ``queue``'s group; one handle for it.
+        Sends and receives with the same peer match in list order; those with myself are
+        copied here, now. Sources must stay unchanged until waited."""
+        if queue not in QUEUES:
+            raise ValueError(f"unknown queue {queue!r}; expected one of {QUEUES}")
         own_sends = [t for t, p in sends if p == self.rank]
         own_recvs = [t for t, p in recvs if p == self.rank]
         if len(own_sends) != len(own_recvs):
@@ -95,24 +133,29 @@ class P2PCommunicator(TwoSided):
         for p in peers:
             if not 0 <= p < self.world_size:
                 raise ValueError(f"rank {self.rank}: {what!r}: invalid exchange peer {p}")
-        works, unstage = [], []
-        try:
-            with self._issue_stream():
-                for t, p in recvs:
-                    buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                    works.append(dist.irecv(buf, src=p, group=self._group(p, self.rank)))
-                    if buf is not t:
-                        unstage.append((t, buf))
-                for t, p in sends:
-                    works.append(dist.isend(t.contiguous(), dst=p, group=self._group(self.rank, p)))
-                    self.counter.count(p, t.numel() * t.element_size())
-        except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
-            raise PeerFailure(f"rank {self.rank}: {what!r}: posting an exchange with peers {peers} "
-                              f"failed: {exc}") from exc
+        group = self._groups[queue]
+        ops: list[dist.P2POp] = []
+        unstage: list[tuple[torch.Tensor, torch.Tensor]] = []
+        works: list[Any] = []
+        with self._issue_stream(queue):
+            for t, p in recvs:
+                buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                ops.append(dist.P2POp(dist.irecv, buf, p, group))
+                if buf is not t:
+                    unstage.append((t, buf))
+            ops += [dist.P2POp(dist.isend, t.contiguous(), p, group) for t, p in sends]
+            if ops:
+                try:
+                    works = dist.batch_isend_irecv(ops)
+                except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
+                    raise PeerFailure(f"rank {self.rank}: {what!r}: posting an exchange with peers "
+                                      f"{peers} failed: {exc}") from exc
+        for t, p in sends:
+            self.counter.count(p, t.numel() * t.element_size())
         return _WorkHandle(self, works, unstage, peers, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *,
-                   what: str) -> None:
+                   what: str, queue: str = "other") -> None:
         """Chunk ``j`` of ``inp`` (dim 0) goes to ``ranks[j]``; chunk ``j`` of ``out`` comes from it."""
         if self.rank not in ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"rank {self.rank}: all_to_all group {ranks} must hold distinct "
@@ -122,8 +165,8 @@ class P2PCommunicator(TwoSided):
             raise ValueError(f"all_to_all over {n} ranks needs equal shapes with dim 0 divisible "
                              f"by {n}, got out {tuple(out.shape)} and inp {tuple(inp.shape)}")
         self.exchange(list(zip(inp.chunk(n), ranks)), list(zip(out.chunk(n), ranks)),
-                      what=what).wait()
+                      what=what, queue=queue).wait()
 
     def close(self) -> None:
-        """Directional groups are left to ``destroy_process_group`` (destroying one is collective)."""
-        self._groups = None
+        """Nothing to release: the queue groups serve every communicator of this world until
+        ``destroy_process_group`` (destroying one is collective)."""

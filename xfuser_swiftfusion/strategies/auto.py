@@ -3,9 +3,9 @@
 The sequence length is known only at the first attention call, so the choice is made lazily,
 per input signature ``(B, S_local, D, dtype, text tokens)``, by ``cost_model.recommend`` — a pure
 function of inputs every rank shares (topology, heads, shape, hardware profile), so all ranks
-pick the same strategy without communicating. The chosen strategy's context is created at that
-first call (collective on every rank, as ``init_sequence_parallel`` is) and cached; contexts
-are shared between signatures that pick the same (strategy, degree).
+pick the same strategy without communicating. The chosen child strategy is built at that first
+call (collective on every rank, as ``init_sequence_parallel`` is) and cached; children are
+shared between signatures that pick the same (strategy, degree).
 
 Hardware profile: ``cpu-emulated`` on CPU tensors; on CUDA ``$SWIFTFUSION_HARDWARE`` (default
 ``p4de``). The model never predicts the choice slower than default ``usp``.
@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from dataclasses import replace
 
 import torch
 
 from ..cost_model import Workload, candidates, get_profile, recommend
+from ..groups import build_groups
 from ..log import get_logger, log_once
+from ..mesh import choose_mesh
 from ..topology import Topology
 from .layout import Joint
+from .registry import BuildArgs, Strategy, StrategySpec, get, register
 
 logger = get_logger(__name__)
 
@@ -46,39 +49,42 @@ def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int
             profile.name)
 
 
-def _existing_usp_ulysses() -> int | None:
-    """Ulysses degree of xFuser's parallel state when it already exists (plugin sessions)."""
-    from ..xfuser_state import xfuser_parallel_initialized, xfuser_sp_layout
-    return xfuser_sp_layout()[0] if xfuser_parallel_initialized() else None
-
-
 class AutoAttention:
-    """Callable ``(q, k, v, joint, scale)`` under the USP contract; delegates to the chosen
-    strategy's context. ``make_context(strategy, ulysses_degree)`` builds one (collective)."""
+    """Callable ``(q, k, v, joint, scale)`` under the USP contract; delegates to the child
+    strategy the model picks per input signature. Children are built (collectively) at the
+    first call that picks them, from the parent's ``BuildArgs`` with their own mesh, and are
+    shared between signatures that pick the same (strategy, Ulysses degree).
+    ``args.options["usp_ulysses"]``: the Ulysses degree of xFuser's existing groups, if any."""
 
-    name = "auto"
-
-    def __init__(self, topology: Topology, num_heads: int, rank: int,
-                 make_context: Callable[[str, int], object], comms: list) -> None:
-        self.topology, self.num_heads, self.rank = topology, num_heads, rank
-        self._make, self._comms = make_context, comms
-        self._by_signature: dict[tuple, object] = {}
-        self._contexts: dict[tuple[str, int], object] = {}
+    def __init__(self, args: BuildArgs) -> None:
+        self.args = args
+        self.topology, self.num_heads, self.rank = args.mesh.topology, args.num_heads, args.rank
+        self.comms: list = []
+        self._by_signature: dict[tuple, Strategy] = {}
+        self._children: dict[tuple[str, int], Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
+
+    def _child(self, name: str, ulysses: int) -> Strategy:
+        key = (name, ulysses)
+        if key not in self._children:
+            spec = get(name)
+            mesh = choose_mesh(self.topology, self.num_heads, spec.placement, ulysses)
+            child = spec.resolve(mesh).build(
+                replace(self.args, mesh=mesh, groups=build_groups(mesh, self.rank)))
+            self._children[key] = child
+            self.comms.extend(c for c in child.comms if c not in self.comms)
+        return self._children[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float) -> torch.Tensor:
         Tj = joint.length if joint is not None else 0
         sig = (tuple(q.shape), q.dtype, q.device.type, Tj)
-        ctx = self._by_signature.get(sig)
-        if ctx is None:
-            best, cands, profile = choose(self.topology, self.num_heads, q, _existing_usp_ulysses())
+        child = self._by_signature.get(sig)
+        if child is None:
+            best, cands, profile = choose(self.topology, self.num_heads, q,
+                                          self.args.options.get("usp_ulysses"))
             key = (best.strategy, best.ulysses)
-            if key not in self._contexts:
-                ctx = self._make(*key)
-                self._contexts[key] = ctx
-                self._comms.extend(ctx._comms)  # the parent context reports and closes them
-            ctx = self._by_signature[sig] = self._contexts[key]
+            child = self._by_signature[sig] = self._child(*key)
             self.choices[sig] = key
             alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring} {p.latency_s * 1e3:.2f} ms"
                              for p in sorted(cands, key=lambda p: p.latency_s))
@@ -86,12 +92,14 @@ class AutoAttention:
                      f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
                      f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
                      f"({profile} profile); predicted per layer: {alts}", logging.INFO)
-        jargs = {} if joint is None else dict(joint_query=joint.q, joint_key=joint.k,
-                                              joint_value=joint.v, joint_strategy=joint.strategy)
-        return ctx.attention(q, k, v, scale=scale, **jargs)
+        return child(q, k, v, joint, scale)
 
-    def close(self) -> None:
-        """Tear down what the chosen contexts own besides their communicators (xFuser state)."""
-        for ctx in self._contexts.values():
-            ctx._comms.clear()  # closed by the parent context
-            ctx.close()
+    def close(self, failed: bool) -> None:
+        for child in self._children.values():
+            child.close(failed)
+
+
+SPEC = register(StrategySpec(
+    "auto", "tas", "the strategy and Ulysses degree the cost model predicts fastest per shape",
+    build=AutoAttention, schedule=None, order=4))
+AutoAttention.spec = SPEC

@@ -38,9 +38,6 @@ class _Buffers:
             self._bufs[key] = [(self._alloc(like), self._alloc(like)) for _ in range(2)]
         return self._bufs[key]
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for p in self._bufs.values() for k, _ in p)
-
 
 class _Ring:
     """The ring loop of RingAttn; subclasses say how the next block arrives."""
@@ -69,7 +66,8 @@ class _Ring:
 
 
 class PassRing(_Ring):
-    """Two-sided: send the current block to ``r + 1`` while receiving from ``r - 1``."""
+    """Two-sided: send the current block to ``r + 1`` while receiving from ``r - 1``, one
+    exchange per step on the ``"ring"`` queue (with R = 2 both are the same peer)."""
 
     comm: TwoSided
 
@@ -77,7 +75,7 @@ class PassRing(_Ring):
         R = len(self.ranks)
         nxt, prv = self.ranks[(self.r + 1) % R], self.ranks[(self.r - 1) % R]
         return [self.comm.exchange([(cur[0], nxt), (cur[1], nxt)], [(dst[0], prv), (dst[1], prv)],
-                                   what=what)]
+                                   what=what, queue="ring")]
 
 
 class PullRing(_Ring):

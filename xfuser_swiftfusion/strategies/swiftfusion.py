@@ -29,21 +29,30 @@ layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.distributed as dist
 
 from ..comm.base import Handle, OneSided
-from ..topology import Mesh
+from ..groups import SPGroups
+from ..log import get_logger, log_once
 from .layout import Slots, split_heads
+from .registry import BuildArgs, StrategySpec, get, register
 from .ring import PullRing
+from .torus import TorusAttention
+
+logger = get_logger(__name__)
 
 
 class OneSidedTorusIO:
     """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU)."""
 
-    def __init__(self, mesh: Mesh, comm: OneSided, rank: int) -> None:
-        self.mesh, self.comm, self.rank = mesh, comm, rank
+    def __init__(self, groups: SPGroups, comm: OneSided, rank: int) -> None:
+        self.mesh = mesh = groups.mesh
+        self.comm, self.rank = comm, rank
         self.t, self.u, self.r = mesh.coords(rank)
-        self.ring_ranks = mesh.ring_groups[self.t * mesh.ulysses_intra + self.u]
+        self.ring_ranks = groups.ring_ranks
         self._ring = PullRing(comm, self.ring_ranks, self.r)
         self._buffers: dict[tuple, dict[str, torch.Tensor | Slots]] = {}
 
@@ -135,5 +144,31 @@ class OneSidedTorusIO:
         self.comm.barrier_all(what="barrier 2 (after Push-O)")
         return self.Ob
 
-    def heap_bytes(self) -> int:
-        return self.comm.symmetric_heap_bytes()
+
+def _nvshmem_missing_anywhere() -> list[int]:
+    """Ranks without nvshmem4py (decided together: one rank alone falling back would hang)."""
+    missing = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, importlib.util.find_spec("nvshmem") is None)
+    return [r for r, m in enumerate(missing) if m]
+
+
+def build_swiftfusion(a: BuildArgs) -> TorusAttention:
+    """The Torus schedule over the one-sided communicator; on GPUs where nvshmem4py is missing
+    on some rank (and no backend was named), the two-sided ``torus`` instead, logged once."""
+    if a.options.get("comm", "auto") == "auto" and torch.cuda.is_available():
+        missing = _nvshmem_missing_anywhere()
+        if missing:
+            log_once(logger, "fallback-swiftfusion-nvshmem",
+                     "swiftfusion: comm='auto' needs NVSHMEM on GPUs but nvshmem4py is not "
+                     f"installed on ranks {missing} (pip install nvshmem4py-cu13); running "
+                     "'torus' (two-sided) instead")
+            return get("torus").build(a)
+    one = a.one_sided()
+    one.prepare_groups(a.groups.ring_groups)
+    return TorusAttention(SPEC, a.mesh, OneSidedTorusIO(a.groups, one, a.rank), a.rank, [one])
+
+
+SPEC = register(StrategySpec(
+    "swiftfusion", "tas", "as torus, over one-sided put/get with the fused multi-chunk kernel",
+    build=build_swiftfusion, schedule="torus-stages", ring="pull", one_sided=True, needs_torus=True,
+    fallback="tas", order=3))

@@ -13,22 +13,22 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import TwoSided
+from ..groups import SPGroups
 from ..kernels import attend, new_state
-from ..topology import Mesh
 from .layout import Joint, Slots, gather_output, split_heads
+from .registry import StrategySpec, register
 from .ring import PassRing
 
 
 class TasAttention:
-    """Callable ``(q, k, v, joint) -> out`` under the USP contract, on a ``tas`` mesh."""
+    """Callable ``(q, k, v, joint, scale) -> out`` under the USP contract, on any mesh."""
 
-    name = "tas"
-
-    def __init__(self, mesh: Mesh, comm: TwoSided, rank: int) -> None:
-        self.mesh, self.comm = mesh, comm
-        self.g, r = mesh.g_r_of(rank)
-        self.ulysses = mesh.ulysses_groups[r]
-        self.ring = PassRing(comm, mesh.ring_groups[self.g], r)
+    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int) -> None:
+        self.mesh, self.comm, self.comms = groups.mesh, comm, [comm]
+        self.ulysses = groups.ulysses_ranks
+        self.g = self.ulysses.index(rank)
+        ring = groups.ring_ranks
+        self.ring = PassRing(comm, ring, ring.index(rank))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float) -> torch.Tensor:
@@ -58,8 +58,15 @@ class TasAttention:
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
         out = torch.empty_like(x)
-        self.comm.all_to_all(out, x, self.ulysses, what=what)
+        self.comm.all_to_all(out, x, self.ulysses, what=what, queue="other")
         return out
 
-    def heap_bytes(self) -> int:
-        return 0
+    def close(self, failed: bool) -> None:
+        """Nothing besides the communicator."""
+
+
+SPEC = register(StrategySpec(
+    "tas", "tas", "Ulysses across machines, Ring inside; all-to-all + two-sided ring, no overlap",
+    build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank), order=1))
+TasAttention.spec = SPEC
+

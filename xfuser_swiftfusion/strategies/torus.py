@@ -8,29 +8,121 @@ GPU ``(a, b, r)``, head group ``(t, u)``); outputs in ``[T, U]`` slots (``layout
 ``a`` is written only after the block's last use, so a transport may keep query block ``a``
 in the image rows of output slot ``a`` (both transports do: one buffer less).
 
-Two refinements of Algorithm 1, with the same work and bytes:
+The schedule is data: ``torus_schedule(T, t, text)`` lists the ``Step``s of machine ``t``,
+each tagged with the Algorithm 1 line(s) and DESIGN.md step it implements (lines as the
+paper prints them: every line is numbered except the omitted ``end`` lines, so RingAttn is
+l.1-7, the issue loop l.18-21, the first Pull-Q stage l.22). Two refinements of Algorithm 1,
+with the same work and bytes:
 - the local queries attend to each remote K/V block in the Pull-KV stage that brings it
-  (Algorithm 1 defers all of that to Push-O); only the last block's share stays there, to
-  overlap the pushes. On a link-bound layer compute idles while a stage's data arrives, and
-  the work left after the last arrival shrinks from 2(T-1) query blocks to T;
+  (Algorithm 1 defers all of that to Push-O, l.34); only the last block's share stays there,
+  to overlap the pushes. On a link-bound layer compute idles while a stage's data arrives,
+  and the work left after the last arrival shrinks from 2(T-1) query blocks to T;
 - the last Pull-KV stage runs one remote query block at a time, so each remote output is
   pushed as soon as it is final instead of all after the stage.
+Text (joint) tokens are one more query entry and one more K/V entry (``TEXT``): the text
+queries ride with the local queries, the text K/V (replicated, so attended locally, without a
+ring) is attended once by every query entry, in its Pull-Q stage.
 
-The schedule is written once (``TorusAttention``) over a transport with five operations;
+``TorusAttention`` runs the steps over a transport with the operations of ``TorusIO``;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
 isend/irecv, ``OneSidedTorusIO`` (``swiftfusion.py``) with put/get on a symmetric heap.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
 from ..comm.base import Handle, TwoSided
+from ..groups import SPGroups
 from ..kernels import AttnState, attend, new_state
-from ..topology import Mesh
+from ..mesh import Mesh
 from .layout import Joint, Slots, gather_output, split_heads
+from .registry import StrategySpec, register
 from .ring import PassRing
+
+TEXT = "text"
+"""The text entry: queries ``[B, h, Tj, D]`` and K/V ``[B, h, Tj, D]`` of my head group."""
+
+Entry = int | str  # machine a (its U chunks [B, h, S, D] of my head group) or TEXT
+
+Kind = Literal["issue", "init", "wait_q", "wait_kv", "barrier_ring", "attend", "finalize", "push"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operation of the Torus schedule of a GPU on machine ``t``.
+
+    ``kind``:
+    - ``issue``: every inter-machine pull in flight (Q of every stage first, then K/V);
+    - ``init``: empty running states for the query entries ``q``;
+    - ``wait_q`` / ``wait_kv``: the Q block ``q[0]`` / K/V block ``kv`` of machine
+      ``(t - k) % T``, pulled in stage ``k``, has arrived here;
+    - ``barrier_ring``: every ring peer holds K/V block ``kv`` too;
+    - ``attend``: the query entries ``q`` attend K/V entry ``kv`` (a machine's block: ring
+      attention over my ring group; ``TEXT``: locally), states merged in place;
+    - ``finalize``: output of query entry ``q[0]`` = acc / l, written into ``O`` (machine
+      ``a``: image rows of slots ``[a, :]``; ``TEXT``: text rows of every slot);
+    - ``push``: ``O[q[0], :]`` leaves for its owners (transport stage ``k = (t - q[0]) % T``).
+    ``what`` names the stage (the transport's ``what=``), ``line`` the Algorithm 1 line(s)
+    and DESIGN.md step.
+    """
+
+    kind: Kind
+    what: str
+    q: tuple[Entry, ...] = ()
+    kv: Entry | None = None
+    k: int = 0
+    line: str = ""
+
+
+def torus_schedule(T: int, t: int, text: bool) -> list[Step]:
+    """Steps 3-7 of the GPUs on machine ``t`` of ``T`` (the same for every u and r).
+
+    Invariants (tests/test_torus_schedule.py): every (query entry, K/V entry) pair is
+    attended exactly once; each wait precedes every use of its block, the ring barrier of a
+    remote K/V block every ring attention over it; each output is finalized once, after its
+    last attend, and pushed after its finalization (the text output before the first push).
+    """
+    X = (TEXT,) if text else ()  # the text query entry, where there is one
+    others = tuple(a for a in range(T) if a != t)
+    last = (t + 1) % T  # K/V block of the last Pull-KV stage, k = T - 1
+    # every pull in flight before anything else is launched, the running states included
+    s = [Step("issue", "issue pulls", line="Alg.1 l.18-21; step 3"),
+         Step("init", "running states", (*range(T), *X), line="Alg.1 l.12-14")]
+    # Pull-Q stages 1..T: the queries of machine t - k against my K/V, mine (with the text
+    # queries) first, the others as they arrive; each entry also meets the text K/V here.
+    for k in range(T):
+        a, what = (t - k) % T, f"Pull-Q stage {k + 1}"
+        q = (a, *X) if k == 0 else (a,)
+        if k:
+            s.append(Step("wait_q", what, q, k=k, line="Alg.1 l.25; step 5"))
+        if text:
+            s.append(Step("attend", what, q, TEXT, line="step 4-5: text K/V, once per query entry"))
+        s.append(Step("attend", what, q, t, line="Alg.1 l.26; step 5" if k else "Alg.1 l.22; step 4"))
+    # Pull-KV stages 1..T-1: every query against K/V of machine t - k as it arrives, my own
+    # queries included (their share of l.34, refinement 1); stage T-1 follows block by block.
+    for k in range(1, T):
+        a, what = (t - k) % T, f"Pull-KV stage {k}"
+        s += [Step("wait_kv", what, kv=a, k=k, line="Alg.1 l.29; step 6"),
+              Step("barrier_ring", what, kv=a, line="Alg.1 l.29; step 6")]
+        if k < T - 1:
+            s.append(Step("attend", what, (t, *others, *X), a, line="Alg.1 l.30 + l.34; step 6"))
+    # Stage T-1 one query block at a time, each output pushed once final (refinement 2); the
+    # last, k = T, is my machine's block, attended while the others travel (Push-O).
+    for k in range(1, T + 1):
+        a, mine = (t - k) % T, k == T
+        q = (a, *X) if k == 1 else (a,)  # the text queries finish with the first block
+        what = "Push-O" if mine else f"Pull-KV stage {T - 1}, queries of machine {a}"
+        if T > 1:  # one machine: its queries met its only K/V block in Pull-Q stage 1
+            s.append(Step("attend", what, q, last,
+                          line="Alg.1 l.34; step 7" if mine else "Alg.1 l.30; step 6"))
+        # text first: its rows ride in every slot, so they are final before the first push
+        s += [Step("finalize", what, (e,), line="step 6-7: O = acc / l") for e in (*q[1:], a)]
+        s.append(Step("push", "Push-O", (a,), k=k % T,
+                      line="Alg.1 l.35; step 7" if mine else "Alg.1 l.33; step 7"))
+    return s
 
 
 class TorusIO(Protocol):
@@ -63,8 +155,8 @@ class TorusIO(Protocol):
 class TorusAttention:
     """Callable ``(q, k, v, joint) -> out`` under the USP contract, running the Torus schedule."""
 
-    def __init__(self, name: str, mesh: Mesh, io: TorusIO, rank: int) -> None:
-        self.name, self.mesh, self.io = name, mesh, io
+    def __init__(self, spec: StrategySpec, mesh: Mesh, io: TorusIO, rank: int, comms: list) -> None:
+        self.spec, self.mesh, self.io, self.comms = spec, mesh, io, comms
         self.t, self.u, self.r = mesh.coords(rank)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,65 +167,51 @@ class TorusAttention:
         return gather_output(self.io.stage_out(), joint)  # [T, U] slots -> [B, H, S + Tj, D]
 
     def _stages(self, joint: Joint | None, scale: float) -> None:
-        """Steps 3-7: every transfer issued, the Pull-Q, Pull-KV and Push-O stages."""
-        io, T, U, t = self.io, self.mesh.torus, self.mesh.ulysses_intra, self.t
-        EQ, EKV = io.issue_pulls()                                     # step 3
-        Q = {a: list(io.q_block(a).unbind(0)) for a in range(T)}      # U chunks [B, h, S, D] per a
-        st = {a: [new_state(c) for c in Q[a]] for a in range(T)}
-        text_q, text_st, text_kv = [], [], []
+        """Steps 3-7: run ``torus_schedule`` against the transport.
+
+        Query entry ``a`` is the U chunks ``[B, h, S, D]`` of ``io.q_block(a)``, ``TEXT`` the
+        text queries ``[B, h, Tj, D]`` of my head group; one running state per chunk.
+        """
+        io, T, U = self.io, self.mesh.torus, self.mesh.ulysses_intra
+        jq = jkv = None
         if joint is not None:
-            jq, jk, jv = joint.head_group(t * U + self.u, T * U)
-            text_q, text_st, text_kv = [jq], [new_state(jq)], [(jk, jv)]
-        others = [a for a in range(T) if a != t]
-        remote_q = [c for a in others for c in Q[a]] + text_q
-        remote_st = [s for a in others for s in st[a]] + text_st
+            jq, jk, jv = joint.head_group(self.t * U + self.u, T * U)  # [B, h, Tj, D] each
+            jkv = [(jk, jv)]
+        chunks: dict[Entry, list[torch.Tensor]] = {}
+        states: dict[Entry, list[AttnState]] = {}
+        for s in torus_schedule(T, self.t, joint is not None):
+            match s.kind:
+                case "issue":
+                    EQ, EKV = io.issue_pulls()
+                case "init":
+                    for e in s.q:
+                        chunks[e] = [jq] if e == TEXT else list(io.q_block(e).unbind(0))
+                        states[e] = [new_state(c) for c in chunks[e]]
+                case "wait_q":
+                    _wait(EQ[s.k])
+                case "wait_kv":
+                    _wait(EKV[s.k])
+                case "barrier_ring":
+                    io.barrier_ring(what=s.what)
+                case "attend":
+                    qs = [c for e in s.q for c in chunks[e]]
+                    sts = [x for e in s.q for x in states[e]]
+                    if s.kv == TEXT:
+                        attend(qs, jkv, sts, scale=scale)
+                    else:
+                        io.ring(qs, sts, s.kv, scale=scale, what=s.what)
+                case "finalize":
+                    (e,) = s.q
+                    if e == TEXT:  # [B, h, Tj, D]: the text rows of my head group, in every slot
+                        io.O.text[:] = attend(chunks[e], [], states[e], scale=scale, finalize=True)[0]
+                    else:  # O.rows[e] may hold Q[e] until now
+                        attend(chunks[e], [], states[e], scale=scale, finalize=True,
+                               out=list(io.O.rows[e].unbind(0)))
+                case "push":
+                    io.push_o(s.k)
 
-        # Pull-Q stage 1: local queries (and text queries) against local K/V, text K/V once.
-        attend(Q[t] + text_q, text_kv, st[t] + text_st, scale=scale)
-        io.ring(Q[t] + text_q, st[t] + text_st, t, scale=scale, what="Pull-Q stage 1")
-        # Pull-Q stages 2..T: queries of machine t' against local K/V as they arrive.
-        for kk in range(1, T):
-            tp = (t - kk) % T
-            _wait(EQ[kk])
-            attend(Q[tp], text_kv, st[tp], scale=scale)
-            io.ring(Q[tp], st[tp], t, scale=scale, what=f"Pull-Q stage {kk + 1}")
-        # Pull-KV stages 1..T-1: every query against K/V of machine t' (the local queries
-        # too, except against the last block: theirs is the work that hides Push-O).
-        for kk in range(1, T):
-            tp = (t - kk) % T
-            _wait(EKV[kk])
-            io.barrier_ring(what=f"Pull-KV stage {kk}")
-            if kk < T - 1:
-                io.ring(Q[t] + remote_q, st[t] + remote_st, tp, scale=scale,
-                        what=f"Pull-KV stage {kk}")
-        # ... the last one block by block (text queries with the first): each remote output
-        # is final after its block and leaves at once (Push-O) while the next one computes.
-        O = io.O  # [T, U] slots; O.rows[a] may hold Q[a] until its output is written
-
-        def finish_text() -> None:
-            if joint is not None:
-                (txt,) = attend(text_q, [], text_st, scale=scale, finalize=True)
-                O.text[:] = txt  # [B, h, Tj, D]: text rows of my head group ride in every slot
-
-        for kk in range(1, T):
-            tp = (t - kk) % T
-            q_, st_ = (Q[tp] + text_q, st[tp] + text_st) if kk == 1 else (Q[tp], st[tp])
-            io.ring(q_, st_, (t + 1) % T, scale=scale,
-                    what=f"Pull-KV stage {T - 1}, queries of machine {tp}")
-            if kk == 1:
-                finish_text()
-            attend(Q[tp], [], st[tp], scale=scale, finalize=True, out=list(O.rows[tp].unbind(0)))
-            io.push_o(kk)
-        if T == 1:
-            finish_text()
-        # Push-O: local queries against the last K/V block while the remote outputs travel.
-        if T > 1:
-            io.ring(Q[t], st[t], (t + 1) % T, scale=scale, what="Push-O")
-        attend(Q[t], [], st[t], scale=scale, finalize=True, out=list(O.rows[t].unbind(0)))
-        io.push_o(0)
-
-    def heap_bytes(self) -> int:
-        return self.io.heap_bytes()
+    def close(self, failed: bool) -> None:
+        """Nothing besides the communicators."""
 
 
 def _wait(handles: list[Handle]) -> None:
@@ -145,13 +223,16 @@ class TwoSidedTorusIO:
     """Torus transport over matched isend/irecv (the ``torus`` strategy).
 
     The one-sided "pull of slot [t, u] from GPU (t', b, r)" becomes: GPU (t', b, r) sends
-    it while I receive it; every rank posts both halves of stage k at once.
+    it while I receive it; every rank posts both halves of stage k at once, one exchange (one
+    grouped operation) per tensor on the ``"other"`` queue, so with T = 2 the send to and the
+    receive from the other machine progress together. Ring attention uses the ``"ring"`` queue.
     """
 
-    def __init__(self, mesh: Mesh, comm: TwoSided, rank: int) -> None:
-        self.mesh, self.comm = mesh, comm
+    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int) -> None:
+        self.mesh = mesh = groups.mesh
+        self.comm = comm
         self.t, self.u, self.r = mesh.coords(rank)
-        self.ring_ranks = mesh.ring_groups[self.t * mesh.ulysses_intra + self.u]
+        self.ring_ranks = groups.ring_ranks
         self._ring = PassRing(comm, self.ring_ranks, self.r)
         self._buffers: dict[tuple, dict[str, torch.Tensor | Slots]] = {}
         self._pending: list[Handle] = []
@@ -182,7 +263,7 @@ class TwoSidedTorusIO:
         tn, tp = (t + kk) % T, (t - kk) % T
         return [self.comm.exchange([(self.src[n][tn, b], self._peer(tn, b)) for b in range(U)],
                                    [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
-                                   what=f"{what} {n}") for n in names]
+                                   what=f"{what} {n}", queue="other") for n in names]
 
     def issue_pulls(self):
         T = self.mesh.torus
@@ -208,12 +289,21 @@ class TwoSidedTorusIO:
         tp, tn = (t - kk) % T, (t + kk) % T
         sends = [(self.O.flat[tp, b], self._peer(tp, b)) for b in range(U)]
         recvs = [(self.Ob.flat[tn, b], self._peer(tn, b)) for b in range(U)]
-        self._pending.append(self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp}"))
+        self._pending.append(self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp}",
+                                                queue="other"))
 
     def stage_out(self):
         pending, self._pending = self._pending, []
         _wait(pending)
         return self.Ob
 
-    def heap_bytes(self) -> int:
-        return 0
+
+def build_torus(a) -> TorusAttention:
+    two = a.two_sided()
+    return TorusAttention(SPEC, a.mesh, TwoSidedTorusIO(a.groups, two, a.rank), a.rank, [two])
+
+
+SPEC = register(StrategySpec(
+    "torus", "tas", "as tas, the inter-machine all-to-all in Torus stages over isend/irecv, "
+    "overlapped with attention", build=build_torus, schedule="torus-stages", needs_torus=True,
+    fallback="tas", order=2))

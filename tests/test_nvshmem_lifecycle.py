@@ -1,0 +1,453 @@
+"""NVSHMEM communicator lifecycle on CPU: fake ``nvshmem.core`` / ``nvshmem.bindings`` modules and
+a fake ``torch.cuda`` record every call, so init/finalize counting, failure-path teardown,
+device checks, transfer issue (nbi + one quiet across machines) and the non-blocking waits are
+checked without a GPU. A real single-rank gloo group carries the unique-id broadcast; the device
+gather of other ranks is faked.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from xfuser_swiftfusion.comm import CommTimeout, PeerFailure
+from xfuser_swiftfusion.comm import nvshmem as nv
+
+COLLECTIVE = {"synchronize", "free_tensor", "team_destroy", "finalize", "init",
+              "barrier_all_on_stream", "barrier_on_stream", "team_sync_on_stream", "quiet_on_stream"}
+
+
+@dataclass
+class Env:
+    """Everything the fakes record and the knobs they read."""
+
+    calls: list[tuple[str, tuple]] = field(default_factory=list)
+    current: int = 0           # torch.cuda.current_device()
+    count: int = 8             # torch.cuda.device_count()
+    initialized: bool = False  # torch.cuda.is_initialized()
+    hang: bool = False         # events recorded while set never complete
+    main_queries: int = 0      # Event.query() calls from the main thread
+    peers: list[tuple] | None = None  # device rows of the other ranks (None: distinct GPUs)
+    aborts: list[str] = field(default_factory=list)
+    set_device_threads: list[tuple[str, int]] = field(default_factory=list)
+    compute: Any = None
+
+    def rec(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.calls]
+
+    def args(self, name: str) -> list[tuple]:
+        return [a for n, a in self.calls if n == name]
+
+
+class FakeStream:
+    _ids = itertools.count(1)
+
+    def __init__(self, env: Env, device: Any = None, cuda_stream: int | None = None) -> None:
+        self.env, self.device = env, device
+        self.cuda_stream = next(self._ids) if cuda_stream is None else cuda_stream
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.env.rec("wait_stream", self.cuda_stream, other.cuda_stream)
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        self.env.rec("wait_event", self.cuda_stream, event)
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.cuda_stream})"
+
+
+class FakeEvent:
+    def __init__(self, env: Env) -> None:
+        self.env, self.stream, self.stuck = env, None, False
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream, self.stuck = stream, self.env.hang
+        self.env.rec("record", stream.cuda_stream if stream else None, self)
+
+    def query(self) -> bool:
+        if threading.current_thread() is threading.main_thread():
+            self.env.main_queries += 1
+        return not self.stuck
+
+
+class FakeUID:
+    def __init__(self, fill: bool) -> None:
+        data = np.arange(nv.UID_BYTES) % 251 + 1 if fill else np.zeros(nv.UID_BYTES)
+        self._data = data.astype(np.uint8)
+
+
+class FakeCore:
+    class Teams:
+        TEAM_WORLD = 0
+
+    def __init__(self, env: Env) -> None:
+        self.env, self._teams = env, itertools.count(1)
+
+    @staticmethod
+    def TeamConfig() -> str:
+        return "config"
+
+    def get_unique_id(self, empty: bool = False) -> FakeUID:
+        return FakeUID(not empty)
+
+    def get_version(self) -> SimpleNamespace:
+        return SimpleNamespace(libnvshmem_version="3.8.0-fake")
+
+    def init(self, **kw: Any) -> None:
+        self.env.rec("init", kw)
+
+    def finalize(self) -> None:
+        self.env.rec("finalize")
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype)
+        self.env.rec("tensor", t.data_ptr())
+        return t
+
+    def free_tensor(self, t: torch.Tensor) -> None:
+        self.env.rec("free_tensor", t.data_ptr())
+
+    def team_split_strided(self, parent: int, start: int, stride: int, size: int, config: Any,
+                           mask: int) -> int:
+        team = next(self._teams)
+        self.env.rec("team_split_strided", start, stride, size, team)
+        return team
+
+    def team_destroy(self, team: int) -> None:
+        self.env.rec("team_destroy", team)
+
+
+class FakeBindings:
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        for name in ("putmem_on_stream", "getmem_on_stream", "putmem_nbi_on_stream",
+                     "getmem_nbi_on_stream"):
+            setattr(self, name, self._op(name))
+
+    def _op(self, name: str):
+        def op(dest: int, source: int, nbytes: int, pe: int, stream: int) -> None:
+            self.env.rec(name, dest, source, nbytes, pe, stream)
+        return op
+
+    def quiet_on_stream(self, stream: int) -> None:
+        self.env.rec("quiet_on_stream", stream)
+
+    def barrier_all_on_stream(self, stream: int) -> None:
+        self.env.rec("barrier_all_on_stream", stream)
+
+    def barrier_on_stream(self, team: int, stream: int) -> None:
+        self.env.rec("barrier_on_stream", team, stream)
+
+    def team_sync_on_stream(self, team: int, stream: int) -> int:
+        self.env.rec("team_sync_on_stream", team, stream)
+        return 0
+
+
+class FakeDevice:
+    def __init__(self, index: int) -> None:
+        self.device_id = index
+
+    def set_current(self) -> None:
+        pass
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Fake nvshmem4py and CUDA; a real one-rank gloo group; a fresh process-wide NVSHMEM state."""
+    pytest.importorskip("cuda.core")
+    import cuda.core
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    e = Env()
+    e.compute = FakeStream(e, cuda_stream=0)
+    core, bindings = FakeCore(e), FakeBindings(e)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(nv, "nvshmem_modules", lambda: (core, bindings))
+    monkeypatch.setattr(nv, "_RUNTIME", nv._Runtime() if hasattr(nv, "_Runtime") else None,
+                        raising=False)
+    monkeypatch.setattr(nv, "_abort", lambda msg: e.aborts.append(msg), raising=False)
+
+    def gather(obj, world_size):
+        rows = [obj]
+        for r in range(1, world_size):
+            rows.append(e.peers[r - 1] if e.peers else (obj[0], f"GPU-peer-{r}", r, None))
+        return rows
+
+    monkeypatch.setattr(nv, "_all_gather_object", gather, raising=False)
+    monkeypatch.setattr(cuda.core, "Device", FakeDevice)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # CPU tensors
+
+    def set_device(d):
+        index = d.index if isinstance(d, torch.device) else int(d)
+        e.set_device_threads.append((threading.current_thread().name, index))
+        if threading.current_thread() is threading.main_thread():
+            e.current = index
+            e.rec("set_device", index)
+
+    @contextmanager
+    def stream_ctx(s):
+        e.rec("enter_stream", s.cuda_stream)
+        yield
+        e.rec("exit_stream", s.cuda_stream)
+
+    cuda = torch.cuda
+    for name, value in {
+        "is_available": lambda: True, "device_count": lambda: e.count,
+        "current_device": lambda: e.current, "is_initialized": lambda: e.initialized,
+        "set_device": set_device, "synchronize": lambda device=None: e.rec("synchronize", device),
+        "get_device_properties": lambda i: SimpleNamespace(uuid=f"GPU-{i}"),
+        "Stream": lambda device=None, priority=0: FakeStream(e, device),
+        "Event": lambda *a, **k: FakeEvent(e), "current_stream": lambda device=None: e.compute,
+        "stream": stream_ctx, "device": lambda d: nullcontext(),
+    }.items():
+        monkeypatch.setattr(cuda, name, value)
+    yield e
+    if created:
+        dist.destroy_process_group()
+
+
+def make(rank: int = 0, world: int = 1, node_of: list[int] | None = None,
+         timeout_s: float = 30.0) -> nv.NvshmemCommunicator:
+    return nv.NvshmemCommunicator(rank, world, node_of or [0] * world, timeout_s)
+
+
+def wait_until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+# -- one NVSHMEM instance per process ----------------------------------------------------------
+
+def test_communicators_share_one_instance_and_free_only_their_own_buffers(env):
+    a, b = make(), make()
+    assert env.names().count("init") == 1
+    mine = [a.symmetric_empty((4,), torch.float32).data_ptr(),
+            a.symmetric_empty((2, 3), torch.float16).data_ptr()]
+    theirs = [b.symmetric_empty((5,), torch.float32).data_ptr()]
+    a.prepare_groups([(0,)])
+    b.prepare_groups([(0,)])
+    team_a, team_b = (args[3] for args in env.args("team_split_strided"))
+
+    a.close()
+    assert [p for (p,) in env.args("free_tensor")] == mine  # creation order, a's only
+    assert env.args("team_destroy") == [(team_a,)]
+    assert "finalize" not in env.names()
+    b.barrier_all(what="b still works after a closed")
+
+    b.close()
+    assert [p for (p,) in env.args("free_tensor")] == mine + theirs
+    assert env.args("team_destroy") == [(team_a,), (team_b,)]
+    assert env.names().count("finalize") == 1
+    assert env.names().index("finalize") > env.names().index("team_destroy")
+    a.close()
+    b.close()
+    assert env.names().count("finalize") == 1
+
+    c = make()  # a later context initialises again (libnvshmem 3.x re-initialises after finalize)
+    assert env.names().count("init") == 2
+    c.close()
+    assert env.names().count("finalize") == 2
+
+
+# -- failure: no synchronize, no collective teardown ---------------------------------------------
+
+@pytest.mark.parametrize("how", ["attribute", "argument"])
+def test_close_after_a_failure_makes_no_collective_call_and_returns(env, how):
+    a, b = make(), make()
+    buf = a.symmetric_empty((2, 8), torch.float32)
+    b.symmetric_empty((3,), torch.float32)
+    a.prepare_groups([(0,)])
+    a.get(buf[1], buf[0], 0, queue="other", what="Pull-KV stage 1").wait()
+    a.barrier_all(what="barrier 1")
+    env.calls.clear()
+    if how == "attribute":
+        a.failed = True  # what SequenceParallelContext.close sets after a failed call
+        a.close()
+    else:
+        a.close(failed=True)
+    assert not COLLECTIVE & set(env.names()), env.names()
+    b.close()  # another communicator of the process: NVSHMEM may have stuck kernels too
+    assert not COLLECTIVE & set(env.names()), env.names()
+    with pytest.raises(PeerFailure, match="cannot be used again"):
+        make()
+
+
+def test_watchdog_timeout_fails_the_communicator_without_blocking_waits(env):
+    comm = make(world=2, node_of=[0, 1], timeout_s=0.3)
+    comm.abort_after_s = 30.0
+    buf = comm.symmetric_empty((2, 8), torch.float32)
+    env.hang = True  # the peer never serves the get
+    h = comm.get(buf[1], buf[0], 1, queue="other", what="Pull-KV stage 2")
+    t0 = time.monotonic()
+    h.wait()
+    assert time.monotonic() - t0 < 0.1  # the host does not block on the transfer
+    assert env.main_queries == 0
+    event = env.args("record")[-1][1]
+    assert env.args("wait_event")[-1] == (env.compute.cuda_stream, event)
+    assert wait_until(lambda: comm.failure is not None)
+    with pytest.raises(CommTimeout, match=r"rank 0: 'Pull-KV stage 2': get with peer 1 .*0\.3 s"):
+        comm.barrier_all(what="barrier 2")
+    env.calls.clear()
+    comm.close()  # the failure was raised already: close returns
+    assert not COLLECTIVE & set(env.names()), env.names()
+    assert env.aborts == []
+
+
+def test_watchdog_ends_the_process_when_a_failure_is_never_handled(env):
+    comm = make(world=2, node_of=[0, 1], timeout_s=0.2)
+    comm.abort_after_s = 0.2
+    buf = comm.symmetric_empty((2, 8), torch.float32)
+    env.hang = True
+    comm.put(buf[1], buf[0], 1, queue="ring", what="Push-O to machine 1")
+    assert wait_until(lambda: env.aborts, timeout_s=3.0)
+    assert "rank 0" in env.aborts[0] and "peer 1" in env.aborts[0] and "Push-O" in env.aborts[0]
+    env.calls.clear()
+    with pytest.raises(CommTimeout, match="Push-O"):  # never seen by the caller: close raises it
+        comm.close()
+    assert not COLLECTIVE & set(env.names()), env.names()
+
+
+# -- device discipline -------------------------------------------------------------------------
+
+def test_device_must_be_local_ranks_gpu(env, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env.current, env.initialized = 0, True  # the caller already works on cuda:0
+    with pytest.raises(RuntimeError, match=r"current CUDA device is cuda:0 but LOCAL_RANK=1"):
+        make()
+    assert "init" not in env.names()
+
+    env.initialized = False  # nothing chosen yet: the communicator takes LOCAL_RANK's GPU
+    comm = make()
+    assert comm.device == torch.device("cuda", 1) and env.current == 1
+    assert env.args("init")[0][0]["device"].device_id == 1
+    assert env.args("set_device") == [(1,)]
+    assert wait_until(lambda: any("watchdog" in name for name, _ in env.set_device_threads))
+    assert {i for name, i in env.set_device_threads if "watchdog" in name} == {1}
+    comm.close()
+
+
+def test_one_visible_gpu_is_local_ranks_gpu():
+    assert nv.choose_device(3, "3", 0, 1, True) == (0, None)
+    assert nv.choose_device(0, None, 2, 4, True) == (2, None)
+    index, error = nv.choose_device(5, "5", 0, 4, False)
+    assert "LOCAL_RANK=5" in error and "4 GPUs" in error
+
+
+def test_two_ranks_on_one_gpu_are_refused(env):
+    env.peers = [("host", "GPU-0", 0, None)]  # rank 1 reports the GPU rank 0 uses
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 share one GPU"):
+        make(world=2)
+    assert "init" not in env.names()
+    env.peers = [("host", "GPU-7", 0, None)]  # same index, another GPU (per-rank visibility)
+    make(world=2).close()
+
+
+def test_a_device_error_on_another_rank_fails_every_rank(env):
+    env.peers = [("host", "GPU-1", 0, "rank 1: the current CUDA device is cuda:0 but LOCAL_RANK=1")]
+    with pytest.raises(RuntimeError, match="rank 1: the current CUDA device is cuda:0"):
+        make(world=2)
+    assert "init" not in env.names()
+
+
+# -- transfers ---------------------------------------------------------------------------------
+
+def _ops(env: Env, start: int) -> list[tuple[str, tuple]]:
+    return [(n, a) for n, a in env.calls[start:] if n.endswith("_on_stream")]
+
+
+def test_inter_machine_transfers_are_nbi_with_one_quiet_intra_machine_are_stream_copies(env):
+    comm = make(world=3, node_of=[0, 0, 1])  # rank 1 on my machine, rank 2 on another
+    buf = comm.symmetric_empty((4, 6), torch.float32)
+    loc = comm.symmetric_empty((4, 3), torch.float32)
+    runs = [(buf.data_ptr() + 24 * i, loc.data_ptr() + 12 * i) for i in range(4)]
+
+    start = len(env.calls)
+    comm.get(loc, buf[:, :3], 2, queue="other", what="Pull-Q stage 1").wait()
+    ops = _ops(env, start)
+    s = ops[0][1][-1]
+    assert ops == [("getmem_nbi_on_stream", (near, far, 12, 2, s)) for far, near in runs] + [
+        ("quiet_on_stream", (s,))]
+
+    start = len(env.calls)
+    comm.put(buf[:, :3], loc, 2, queue="other", what="Push-O to machine 1")
+    ops = _ops(env, start)
+    s = ops[0][1][-1]
+    assert ops == [("putmem_nbi_on_stream", (far, near, 12, 2, s)) for far, near in runs] + [
+        ("quiet_on_stream", (s,))]
+
+    start = len(env.calls)
+    comm.get(loc, buf[:, :3], 1, queue="ring", what="ring step 1")
+    ops = _ops(env, start)
+    assert [n for n, _ in ops] == ["getmem_on_stream"] * 4  # in stream order, no quiet
+    comm.close()
+
+
+def test_transfers_of_a_queue_are_spread_over_streams_and_barriers_wait_for_them(env):
+    comm = make(world=2, node_of=[0, 0])
+    comm.prepare_groups([(0, 1)])
+    buf = comm.symmetric_empty((8, 4), torch.float32)
+    streams = []
+    for i in range(nv.STREAMS_PER_QUEUE + 1):
+        start = len(env.calls)
+        comm.get(buf[i % 4 + 4], buf[i % 4], 1, queue="other", what=f"get {i}")
+        streams.append(_ops(env, start)[0][1][-1])
+    n = nv.STREAMS_PER_QUEUE
+    assert len(set(streams[:n])) == n and streams[n] == streams[0]  # several in flight
+    assert 0 not in streams  # never on the caller's stream
+
+    start = len(env.calls)
+    comm.barrier_all(what="barrier 2")
+    calls = env.calls[start:]
+    (bs,) = {a[0] for name, a in calls if name == "barrier_all_on_stream"}
+    waited = {a[1] for name, a in calls if name == "wait_stream" and a[0] == bs}
+    assert set(streams) | {0} <= waited  # after every transfer and the caller's stream
+    assert ("wait_event", (0,)) == (calls[-1][0], calls[-1][1][:1])  # the caller waits, host not
+    assert env.main_queries == 0
+
+    start = len(env.calls)
+    comm.sync((0, 1), what="ring-group sync")
+    calls = env.calls[start:]
+    (ss,) = {a[1] for name, a in calls if name == "team_sync_on_stream"}
+    assert {a[1] for name, a in calls if name == "wait_stream" and a[0] == ss} == {0}  # no quiet
+    comm.close()
+
+
+def test_a_collective_teardown_that_never_returns_ends_the_process(env, monkeypatch):
+    comm = make(timeout_s=0.2)
+    comm.abort_after_s = 0.1
+    comm.symmetric_empty((4,), torch.float32)
+    released = threading.Event()
+    monkeypatch.setattr(env, "aborts", AbortList(released))
+    core = nv.nvshmem_modules()[0]
+    monkeypatch.setattr(core, "free_tensor", lambda t: released.wait(3.0))  # a peer never frees
+    comm.close()  # returns once the fake abort releases the free
+    assert env.aborts and "'close'" in env.aborts[0] and "collective teardown" in env.aborts[0]
+    assert "finalize" not in env.names()
+
+
+class AbortList(list):
+    """Records aborts and lets a blocked fake call return (a real abort ends the process)."""
+
+    def __init__(self, released: threading.Event) -> None:
+        super().__init__()
+        self.released = released
+
+    def append(self, msg: str) -> None:
+        super().append(msg)
+        self.released.set()

@@ -1,0 +1,194 @@
+"""The ``swiftfusion`` command: ``plan`` and ``check``.
+
+- ``swiftfusion plan``: mesh and inter-machine bytes of every strategy on a cluster shape.
+- ``swiftfusion check``: every strategy against single-device attention, on the current
+  world (under torchrun) or on an emulated ``--emulate NxM`` cluster of CPU processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+
+from ..distributed import init_distributed_from_env
+from ..emulation.netns import add_link_argument, link_from_args
+from ..mesh import choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine
+from ..strategies import names, specs
+from ..topology import Topology, TopologyError
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
+         batch: int = 1, dtype: str = "bf16", hardware: str = "p4de") -> dict[str, dict]:
+    """Per strategy: degrees, inter-machine bytes per GPU and predicted latency per attention
+    layer on ``hardware``; ``"recommended"``: the (strategy, degrees) ``auto`` would pick."""
+    from ..cost_model import Workload, get_profile, predict, recommend
+    topo = Topology(nodes, gpus_per_node)
+    work = Workload(batch, seq_len, heads, head_dim, dtype)
+    profile = get_profile(hardware, topo)
+    out = {}
+    for spec in (s for s in specs() if s.schedule is not None):
+        name = spec.name
+        mesh = choose_mesh(topo, heads, spec.placement)
+        runs = spec.resolve(mesh, log=False)
+        per_rank = counted_inter_node_elements(mesh, batch, seq_len, heads, head_dim, runs.ring)
+        paper = paper_inter_node_elements_per_machine(
+            spec.placement, nodes, gpus_per_node, mesh.ulysses,
+            batch, seq_len, heads, head_dim) / gpus_per_node
+        out[name] = {
+            "runs_as": runs.name,
+            "ulysses_degree": mesh.ulysses, "ring_degree": mesh.ring,
+            "torus_degree": mesh.torus, "ulysses_intra_degree": mesh.ulysses_intra,
+            "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
+            "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
+            "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
+            "predicted_latency_s": predict(name, topo, work, profile).latency_s,
+        }
+    best = recommend(topo, work, profile)
+    out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
+                          "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
+                          "hardware": profile.name}
+    return out
+
+
+def _print_plan(p: dict[str, dict], args) -> None:
+    print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
+          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and "
+          f"predicted latency per layer ({args.hardware})")
+    print(f"{'strategy':<12} {'runs as':<12} {'ulysses':>7} {'ring':>5} {'torus':>6} "
+          f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13}")
+    rec = p["recommended"]
+    for name, r in p.items():
+        if name != "recommended":
+            print(f"{name:<12} {r['runs_as']:<12} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
+                  f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
+                  f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
+                  f"{r['predicted_latency_s'] * 1e3:>13.3f}")
+    print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
+          f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer")
+
+
+def _check_main(strategies, case, topology, timeout_s):
+    """Runs on every rank (torchrun or emulated)."""
+    from .check import run_checks
+    return [asdict(r) for r in run_checks(strategies, case, topology, timeout_s)]
+
+
+def _cmd_check(args) -> int:
+    from .check import CheckCase, CheckRow, format_table
+    strategies = [s.strip() for s in (args.strategies or ",".join(names())).split(",") if s.strip()]
+    bad = [s for s in strategies if s not in names()]
+    if bad:
+        print(f"error: unknown strategy {', '.join(bad)}; choose from {', '.join(names())}",
+              file=sys.stderr)
+        return 2
+    if args.kernel:
+        from ..kernels.dispatch import select_backend
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.emulate else "cpu")
+        try:  # refuse here, before any rank starts
+            select_backend(device, args.kernel)
+        except RuntimeError as exc:
+            print(f"error: --kernel {args.kernel}: {exc}", file=sys.stderr)
+            return 2
+        os.environ["SWIFTFUSION_KERNEL"] = args.kernel
+    case = CheckCase(args.heads, args.seq_len, args.head_dim, args.batch, args.dtype,
+                     args.joint_tokens, args.joint_strategy, args.seed)
+    if args.emulate:
+        from ..emulation.launcher import run_emulated
+        topo = Topology.parse(args.emulate)
+        if case.seq_len % topo.world_size:
+            print(f"error: --seq-len {case.seq_len} is not divisible by the {topo.world_size} "
+                  f"ranks of --emulate {topo}", file=sys.stderr)
+            return 2
+        rows = run_emulated(_check_main, topo, strategies, case, None, args.timeout,
+                            timeout_s=max(120.0, 4 * args.timeout * len(strategies)),
+                            link=link_from_args(args))[0]
+    else:
+        import torch.distributed as dist
+        try:
+            init_distributed_from_env()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        rows = _check_main(strategies, case, args.topology, args.timeout)
+        if dist.get_rank() != 0:
+            return 0 if all(r["passed"] for r in rows) else 1
+    rows = [CheckRow(**r) for r in rows]
+    print(f"check: H={case.heads} L={case.seq_len} D={case.head_dim} B={case.batch} {case.dtype}"
+          + (f" joint={case.joint_tokens} {case.joint_strategy}" if case.joint_tokens else "")
+          + (f" on emulated {args.emulate}" if args.emulate else "")
+          + (f" over {args.link_mbit:g} Mbit/s links" if args.emulate and args.link_mbit else ""))
+    print(format_table(rows))
+    return 0 if all(r.passed for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swiftfusion", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    # flags of the subcommands that run strategies on a cluster (real or emulated)
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
+    add_link_argument(cluster)
+    cluster.add_argument("--topology", metavar="NxM",
+                         help="override detected machines x GPUs (torchrun)")
+    cluster.add_argument("--strategies", default=None,
+                         help="comma-separated (default: every strategy)")
+    cluster.add_argument("--seed", type=int, default=0)
+
+    pl = sub.add_parser("plan", help="mesh and inter-machine bytes per strategy")
+    pl.add_argument("--nodes", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, required=True)
+    pl.add_argument("--heads", type=int, required=True)
+    pl.add_argument("--seq-len", type=int, required=True)
+    pl.add_argument("--head-dim", type=int, required=True)
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--dtype", choices=sorted(BYTES), default="bf16")
+    pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+    pl.add_argument("--hardware", default="p4de", help="cost-model profile: p4de, p5, h100-ndr, "
+                    "cpu-emulated (default p4de)")
+
+    ck = sub.add_parser("check", parents=[cluster],
+                        help="validate every strategy against single-device attention")
+    ck.add_argument("--heads", type=int, default=24)
+    ck.add_argument("--seq-len", type=int, default=1152, help="global image tokens")
+    ck.add_argument("--head-dim", type=int, default=64)
+    ck.add_argument("--batch", type=int, default=1)
+    ck.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ck.add_argument("--joint-tokens", type=int, default=0, help="replicated text tokens")
+    ck.add_argument("--joint-strategy", choices=("front", "rear"), default="front")
+    ck.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout in seconds")
+    ck.add_argument("--kernel", choices=("auto", "cpu", "triton", "flash"),
+                    help="local attention kernel (default: triton on CUDA, cpu otherwise)")
+
+    from .compare import add_arguments as add_compare_arguments
+    add_compare_arguments(sub.add_parser(
+        "compare", parents=[cluster],
+        help="run a model under every strategy: latency, bytes, memory, error"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "plan":
+            p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
+                     args.batch, args.dtype, args.hardware)
+            print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
+            return 0
+        if args.cmd == "compare":
+            from .compare import cmd_compare
+            return cmd_compare(args)
+        return _cmd_check(args)
+    except (TopologyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""``swiftfusion compare``: one model, the same inputs, every strategy, one launch.
+
+Every rank loads the pipeline; rank 0 first runs it on one device without sequence
+parallelism (plain diffusers: the reference), then the transformer is sharded the xFuser way
+(``models.parallel``) and each strategy denoises the same prompt from the same seed, the
+strategies interleaved over ``repeats`` rounds. Per strategy:
+
+- ``step_latency_s``: median wall time of one denoising step (steps 2..n of every round;
+  step 1 also encodes the prompt);
+- ``attention_latency_s``: median time of one call of xFuser's ``USP`` (one attention layer);
+- ``inter_node_bytes_per_gpu``: inter-machine bytes one GPU sends per denoising step, mean
+  over GPUs (``SequenceParallelContext.stats()``; for ``usp``, whose collectives are xFuser's,
+  counted by the volume model: see ``modelled_usp_bytes``);
+- ``peak_memory_bytes``: the largest per-rank peak (CUDA: ``max_memory_allocated``; CPU:
+  peak resident set size sampled every 2 ms while the strategy runs);
+- ``max_abs_err``: max |final latents - reference| over rounds; ``passed``: <= tolerance.
+
+Tolerance (whole-model final latents, against the single-device run in the same dtype):
+fp32 1e-4, bf16 / fp16 1e-1. Measured on the tiny models, emulated 2x2, 4 steps: fp32
+4.8e-7 (Flux) and 6.0e-7..7.2e-7 (CogVideoX) for every strategy (reordered softmax sums), a
+>100x margin, while counting replicated text keys once per rank (xFuser's runner bug) moves
+them by >1e-2 (tests/test_models.py); bf16 1.6e-2..3.1e-2 (Flux), i.e. one bf16 ulp at
+|latent| in [2, 8): the bound allows ~3 ulps there.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import init_distributed_from_env
+from ..emulation.netns import link_from_args
+from ..log import get_logger
+from ..mesh import choose_mesh, counted_inter_node_elements
+from ..strategies import get, names
+from .measure import PeakMemory
+
+logger = get_logger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
+# defaults per model kind: (height, width, num_frames)
+DEFAULT_SIZE = {"flux": (48, 48, 1), "cogvideox": (192, 64, 9)}
+
+
+@dataclass
+class CompareConfig:
+    model: str                       # as given (tiny-flux, tiny-cogvideox, a directory)
+    kind: str                        # "flux" | "cogvideox"
+    path: str                        # checkpoint directory
+    strategies: list[str]
+    steps: int = 4
+    height: int = 48
+    width: int = 48
+    num_frames: int = 9
+    prompt: str = "a photo of a red cat sitting on a street at night"
+    max_sequence_length: int = 13    # text tokens (13: not divisible by most SP degrees)
+    guidance_scale: float = 1.0
+    seed: int = 0
+    repeats: int = 2
+    dtype: str = "fp32"
+    topology: str | None = None
+    timeout_s: float | None = None
+    reference: bool = True
+
+
+@dataclass
+class CompareRow:
+    """One strategy's result; ``--json`` writes the JSON_FIELDS (all but ``ran_as``)."""
+    strategy: str
+    mesh: str
+    step_latency_s: float
+    attention_latency_s: float
+    inter_node_bytes_per_gpu: float
+    peak_memory_bytes: int
+    max_abs_err: float | None
+    passed: bool | None
+    ran_as: str = ""     # differs from strategy for auto (auto:<pick>) or a logged fallback
+
+
+JSON_FIELDS = tuple(f.name for f in fields(CompareRow) if f.name != "ran_as")
+
+
+# --------------------------------------------------------------------------------------------
+# measurement helpers
+# --------------------------------------------------------------------------------------------
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclass
+class AttentionCalls:
+    """Per-call durations (s) and image-shard shapes ``(B, H, S_local, D, bytes per element)``."""
+    durations: list[float] = field(default_factory=list)
+    shapes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def time_attention_calls() -> Iterator[AttentionCalls]:
+    """Time every call of xFuser's ``USP`` (as currently bound, e.g. to our strategy).
+
+    Wraps the ``USP`` global of every imported ``xfuser.*`` module that holds the current
+    binding (processors look it up there at call time) and restores it on exit.
+    """
+    from xfuser.model_executor.layers import usp as usp_module
+    current = usp_module.USP
+    calls = AttentionCalls()
+
+    def timed_usp(query, *args, **kwargs):
+        _sync()
+        t0 = time.perf_counter()
+        out = current(query, *args, **kwargs)
+        _sync()
+        calls.durations.append(time.perf_counter() - t0)
+        calls.shapes.append((*query.shape, query.element_size()))
+        return out
+
+    holders = [m for n, m in list(sys.modules.items())
+               if n.startswith("xfuser.") and m is not None and getattr(m, "USP", None) is current]
+    for m in holders:
+        m.USP = timed_usp
+    try:
+        yield calls
+    finally:
+        for m in holders:
+            if getattr(m, "USP", None) is timed_usp:
+                m.USP = current
+
+
+def modelled_usp_bytes(mesh, shapes: list[tuple[int, ...]], rank: int) -> int:
+    """Inter-machine bytes ``rank`` sends in xFuser's USP for the recorded calls.
+
+    xFuser's USP runs on torch/yunchang collectives that our byte counters do not see, so
+    its traffic is counted with ``topology.counted_inter_node_elements`` (the four Ulysses
+    all-to-alls plus a K/V ring; replicated text is head-sliced locally and moves nothing).
+    Exact for ring degree 1; for ring > 1 it counts a true ring, while torch's default
+    rotation all-gathers K/V (more bytes).
+    """
+    total = 0
+    for B, H, S, D, size in shapes:
+        total += counted_inter_node_elements(mesh, B, S * mesh.world_size, H, D)[rank] * size
+    return total
+
+
+def _effective(ctx) -> tuple[str, object]:
+    """(strategy that ran, its mesh): a strategy that picks per shape (``auto``) reports its
+    one pick (e.g. ``auto:swiftfusion``)."""
+    choices = set(getattr(ctx._impl, "choices", {}).values())
+    if len(choices) != 1:
+        return ctx.strategy, ctx.mesh
+    strategy, ulysses = choices.pop()
+    mesh = choose_mesh(ctx.topology, ctx.num_heads, get(strategy).placement,
+                       ulysses, ctx.mesh.world_size // ulysses)
+    return f"{ctx.strategy}:{strategy}", mesh
+
+
+def _mesh_label(mesh) -> str:
+    """``UxRxT``: intra-machine Ulysses x Ring x Torus (machines per Ulysses group)."""
+    return f"{mesh.ulysses_intra}x{mesh.ring}x{mesh.torus}"
+
+
+# --------------------------------------------------------------------------------------------
+# the collective run (every rank)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Measure:
+    """One rank's measurements of one strategy, accumulated over rounds."""
+    ran_as: str = ""
+    mesh: str = ""
+    steps: list[float] = field(default_factory=list)
+    attention: list[float] = field(default_factory=list)
+    inter_bytes_per_step: list[float] = field(default_factory=list)
+    peak: int = 0
+    err: float | None = None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_compare(cfg: CompareConfig) -> list[CompareRow]:
+    """Collective over the default process group; every rank returns the same rows."""
+    from .models.parallel import PARALLELIZE, generate_latents, load_pipeline, strategy_session
+    rank = dist.get_rank()
+    dtype = DTYPES[cfg.dtype]
+    pipe = load_pipeline(cfg.path, cfg.kind, dtype, _device())
+    heads = pipe.transformer.config.num_attention_heads
+    gen_kwargs = dict(prompt=cfg.prompt, height=cfg.height, width=cfg.width,
+                      num_frames=cfg.num_frames, steps=cfg.steps, seed=cfg.seed,
+                      guidance_scale=cfg.guidance_scale,
+                      max_sequence_length=cfg.max_sequence_length)
+    reference = None
+    if cfg.reference and rank == 0:
+        reference = generate_latents(pipe, cfg.kind, **gen_kwargs).double()
+    dist.barrier()
+    PARALLELIZE[cfg.kind](pipe)
+    measures = {s: _Measure() for s in cfg.strategies}
+    rounds = [(r, s) for r in range(cfg.repeats) for s in cfg.strategies]
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+        progress = tqdm(total=len(rounds) * cfg.steps, desc="compare", unit="step",
+                        disable=not sys.stderr.isatty())
+    for _, strategy in rounds:
+        m = measures[strategy]
+        with strategy_session(strategy, heads, cfg.topology, timeout_s=cfg.timeout_s) as ctx:
+            ctx.reset_stats()
+            stamps: list[float] = []
+
+            def on_step(_i: int) -> None:
+                _sync()
+                stamps.append(time.perf_counter())
+                if progress is not None:
+                    progress.update(1)
+
+            mem = PeakMemory().start()
+            # no torch.inference_mode: the one-sided copy threads write into these tensors
+            with time_attention_calls() as attn:
+                latents = generate_latents(pipe, cfg.kind, on_step=on_step, **gen_kwargs)
+            m.peak = max(m.peak, mem.stop())
+            m.steps += [b - a for a, b in zip(stamps, stamps[1:])]
+            m.attention += attn.durations
+            m.ran_as, mesh = _effective(ctx)
+            m.mesh = _mesh_label(mesh)
+            ran = get(m.ran_as.split(":")[-1])
+            # xFuser's own collectives bypass our byte counters: count them with the model
+            sent = (modelled_usp_bytes(mesh, attn.shapes, rank) if ran.external_groups
+                    else ctx.stats()["inter_node_bytes"])
+            m.inter_bytes_per_step.append(sent / cfg.steps)
+        if reference is not None:
+            err = (latents.double() - reference).abs().max().item()
+            m.err = err if m.err is None else max(m.err, err)
+    if progress is not None:
+        progress.close()
+    return _aggregate(measures, dtype)
+
+
+def _aggregate(measures: dict[str, _Measure], dtype: torch.dtype) -> list[CompareRow]:
+    """Gather every rank's measures; combine (medians, mean bytes, max memory, rank 0 error)."""
+    world = dist.get_world_size()
+    gathered: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {s: asdict(m) for s, m in measures.items()})
+    rows = []
+    tol = TOLERANCE[dtype]
+    for s in measures:
+        per_rank = [g[s] for g in gathered]
+        err = per_rank[0]["err"]
+        rows.append(CompareRow(
+            strategy=s, mesh=per_rank[0]["mesh"],
+            step_latency_s=statistics.median(x for r in per_rank for x in r["steps"]),
+            attention_latency_s=statistics.median(x for r in per_rank for x in r["attention"]),
+            inter_node_bytes_per_gpu=statistics.fmean(
+                statistics.median(r["inter_bytes_per_step"]) for r in per_rank),
+            peak_memory_bytes=max(r["peak"] for r in per_rank),
+            max_abs_err=err, passed=None if err is None else bool(err <= tol),
+            ran_as=per_rank[0]["ran_as"]))
+        if per_rank[0]["ran_as"] != s and dist.get_rank() == 0:
+            logger.info(f"compare: {s} ran as {per_rank[0]['ran_as']} ({per_rank[0]['mesh']})")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------
+
+def format_table(rows: list[CompareRow], cfg: CompareConfig, where: str) -> str:
+    tol = TOLERANCE[DTYPES[cfg.dtype]]
+    size = f"{cfg.height}x{cfg.width}" + (f"x{cfg.num_frames}f" if cfg.kind == "cogvideox" else "")
+    lines = [f"compare: {cfg.model} ({cfg.kind}) {size}, {cfg.steps} steps, text "
+             f"{cfg.max_sequence_length} tokens, {cfg.dtype}, {where}, {cfg.repeats} rounds "
+             f"interleaved; tolerance {tol:.0e} vs single device"]
+    head = (f"{'strategy':<17} {'mesh UxRxT':<10} {'step ms':>9} {'attn ms/layer':>13} "
+            f"{'inter-node KB/GPU/step':>22} {'peak MB/rank':>12} {'max abs err':>11}  result")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        err = "n/a" if r.max_abs_err is None else f"{r.max_abs_err:.2e}"
+        res = "n/a" if r.passed is None else ("PASS" if r.passed else "FAIL")
+        name = r.strategy if r.ran_as in ("", r.strategy) else f"{r.strategy}>{r.ran_as.split(':')[-1]}"
+        lines.append(f"{name:<17} {r.mesh:<10} {r.step_latency_s * 1e3:>9.1f} "
+                     f"{r.attention_latency_s * 1e3:>13.2f} "
+                     f"{r.inter_node_bytes_per_gpu / 1e3:>22.1f} "
+                     f"{r.peak_memory_bytes / 2**20:>12.0f} {err:>11}  {res}")
+    return "\n".join(lines)
+
+
+def write_plot(rows: list[CompareRow], path: str, title: str) -> None:
+    """PNG bar chart: median step latency and inter-machine bytes per GPU per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r.strategy for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    a.bar(names, [r.step_latency_s * 1e3 for r in rows], color="tab:blue")
+    a.set_ylabel("median step latency (ms)")
+    b.bar(names, [r.inter_node_bytes_per_gpu / 1e3 for r in rows], color="tab:orange")
+    b.set_ylabel("inter-machine KB per GPU per step")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# command line (``swiftfusion compare``)
+# --------------------------------------------------------------------------------------------
+
+def add_arguments(p) -> None:
+    """Flags of ``swiftfusion compare`` besides the cluster flags cli.py shares with ``check``
+    (``--emulate``, ``--link-mbit``, ``--topology``, ``--strategies``, ``--seed``)."""
+    p.add_argument("--model", default="tiny-flux",
+                   help="tiny-flux, tiny-cogvideox or a local FLUX.1 / CogVideoX checkpoint dir")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps per run (>= 2)")
+    p.add_argument("--height", type=int, help="pixels (default: flux 48, cogvideox 192)")
+    p.add_argument("--width", type=int, help="pixels (default: flux 48, cogvideox 64)")
+    p.add_argument("--num-frames", type=int, help="video frames (cogvideox; default 9)")
+    p.add_argument("--max-sequence-length", type=int, default=13, help="text tokens")
+    p.add_argument("--prompt", default=CompareConfig.prompt)
+    p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per strategy")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the single-device run (no error column)")
+    p.add_argument("--timeout", type=float, default=None, help="per-wait timeout in seconds")
+    p.add_argument("--json", metavar="FILE", help="write one object per strategy")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG bar chart (latency, bytes)")
+
+
+class CompareArgumentError(ValueError):
+    """An inconsistent ``swiftfusion compare`` invocation (printed as ``error: ...``)."""
+
+
+def config_from_args(args, world_size: int) -> CompareConfig:
+    """Validate flags against the model and the world size before any rank starts."""
+    from .models.parallel import check_shapes, resolve_model
+    strategies = ([s.strip() for s in args.strategies.split(",") if s.strip()]
+                  if args.strategies else list(names()))
+    bad = [s for s in strategies if s not in names()]
+    if bad or not strategies:
+        raise CompareArgumentError(f"unknown strategy {', '.join(bad) or '(none given)'}; "
+                                   f"choose from {', '.join(names())}")
+    if args.steps < 2:
+        raise CompareArgumentError("--steps must be >= 2 (step 1 also encodes the prompt and "
+                                   "is not timed)")
+    kind, path = resolve_model(args.model)
+    h, w, f = DEFAULT_SIZE[kind]
+    dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    cfg = CompareConfig(model=args.model, kind=kind, path=path, strategies=strategies,
+                        steps=args.steps, height=args.height or h, width=args.width or w,
+                        num_frames=args.num_frames or f, prompt=args.prompt,
+                        max_sequence_length=args.max_sequence_length,
+                        guidance_scale=args.guidance_scale, seed=args.seed,
+                        repeats=args.repeats, dtype=dtype, topology=args.topology,
+                        timeout_s=args.timeout, reference=not args.no_reference)
+    check_shapes(kind, path, cfg.height, cfg.width, world_size)
+    return cfg
+
+
+def _quiet_logs(rank: int) -> None:
+    """The table is the output: xFuser warns "Using SDPA_FLASH as attention backend" whenever a
+    runtime state is built (every strategy, every round, every rank), torch warns once per
+    rank about a deprecated collective xFuser calls, and every rank would repeat our own
+    warnings: keep rank 0's warnings and everyone's errors."""
+    logging.getLogger("xfuser.core.distributed.runtime_state").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
+                            category=FutureWarning)
+    if rank != 0:
+        logging.getLogger("xfuser.swiftfusion").setLevel(logging.ERROR)
+
+
+def _compare_rank(cfg: CompareConfig) -> list[dict]:
+    _quiet_logs(dist.get_rank())
+    return [asdict(r) for r in run_compare(cfg)]
+
+
+def cmd_compare(args) -> int:
+    """``swiftfusion compare``: returns the exit code (0: every strategy passed)."""
+    import json
+    # xFuser logs at DEBUG by default (LOG_LEVEL, read when xFuser is first imported); the
+    # table is the output here. An explicit LOG_LEVEL wins.
+    os.environ.setdefault("LOG_LEVEL", "warning")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its torchvision notices
+    from ..emulation.launcher import run_emulated
+    from ..topology import Topology
+    if args.emulate:
+        topo = Topology.parse(args.emulate)
+        cfg = config_from_args(args, topo.world_size)
+        # import the heavy libraries once in the parent: forked ranks inherit them
+        import diffusers  # noqa: F401
+        import xfuser.model_executor.layers.usp  # noqa: F401
+        timeout = 300.0 + 60.0 * cfg.repeats * len(cfg.strategies)
+        link = link_from_args(args)
+        rows = run_emulated(_compare_rank, topo, cfg, timeout_s=timeout, link=link)[0]
+        where = f"emulated {topo} ({topo.world_size} ranks" + (
+            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
+    else:
+        try:
+            init_distributed_from_env()
+        except RuntimeError as exc:
+            raise CompareArgumentError(str(exc)) from None
+        cfg = config_from_args(args, dist.get_world_size())
+        rows = _compare_rank(cfg)
+        where = f"{dist.get_world_size()} ranks"
+        if dist.get_rank() != 0:
+            return 0 if all(r["passed"] is not False for r in rows) else 1
+    table_rows = [CompareRow(**r) for r in rows]
+    print(format_table(table_rows, cfg, where))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in JSON_FIELDS} for r in rows], f, indent=2)
+    if args.plot:
+        write_plot(table_rows, args.plot, f"{cfg.model}, {where}")
+    return 0 if all(r.passed is not False for r in table_rows) else 1
+
+
+__all__ = ["CompareConfig", "CompareRow", "JSON_FIELDS", "PeakMemory", "TOLERANCE",
+           "available_strategies", "modelled_usp_bytes", "add_arguments", "check_shapes", "cmd_compare", "config_from_args", "format_table", "run_compare", "time_attention_calls",
+           "write_plot"]
