@@ -2,13 +2,16 @@
 
 For Q of length L against N KV chunks (separate buffers, Lk total = L), [B, H, L, D]:
   flash-concat  one flash_attn_func call on contiguous concatenated K/V (the lower bound)
-  flash-pairs   attend(..., backend "flash"): one flash_attn_func per chunk + merge
-  triton        attend(..., backend "triton"): ONE fused multi-chunk launch (paper Alg. 2)
+  flash         attend(..., backend "flash"): K/V concatenated, one flash_attn_func + merge
+  torch         attend(..., backend "torch"): K/V concatenated, one torch SDPA op + merge
+  triton        attend(..., backend "triton"): ONE fused multi-chunk launch (paper Alg. 2),
+                D in {32, 64, 128} only; the launch configuration is printed per point
 Each attend call is finalized. Tensors live in [B, L, H, D] buffers (flash-attn's layout);
 attend gets [B, H, L, D] views of them. CUDA-event timing, medians of interleaved repetitions.
 
     python scripts/bench_kernels_gpu.py
     python scripts/bench_kernels_gpu.py --lengths 8192 32768 --dims 128 --heads 3
+    python scripts/bench_kernels_gpu.py --lengths 2304 --dims 72 128 --heads 3   # small grids
 """
 from __future__ import annotations
 
@@ -48,11 +51,13 @@ def bench_point(L: int, D: int, n: int, args, have_flash: bool) -> dict[str, flo
 
         return run
 
-    variants = {"triton": with_backend("triton")}
-    if have_flash:
+    variants = {"torch": with_backend("torch")}
+    if D in (32, 64, 128):
+        variants["triton"] = with_backend("triton")
+    if have_flash and D % 8 == 0 and D <= 256 and dtype != torch.float32:
         from flash_attn import flash_attn_func
 
-        variants["flash-pairs"] = with_backend("flash")
+        variants["flash"] = with_backend("flash")
         variants["flash-concat"] = lambda: flash_attn_func(q_bl, k_bl, v_bl, softmax_scale=scale)
     for fn in variants.values():  # warm-up (and JIT compile)
         fn()
@@ -71,7 +76,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -80,17 +85,26 @@ def main() -> None:
     have_flash = importlib.util.find_spec("flash_attn") is not None
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={args.batch} H={args.heads} {args.dtype}, "
-          f"median of {args.reps}; flash-attn {'present' if have_flash else 'MISSING (triton only)'}\n")  # fmt: skip
-    print("| L | D | KV chunks | triton (ms) | TFLOP/s | flash-pairs (ms) | flash-concat (ms) | triton / concat |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"median of {args.reps}; flash-attn {'present' if have_flash else 'MISSING'}\n")  # fmt: skip
+    from xfuser_swiftfusion.kernels.triton_attend import _device_info, pick_config
+
+    sm, sms = _device_info(torch.cuda.current_device())
+    print("| L | D | KV chunks | triton config | triton (ms) | TFLOP/s | flash (ms) | torch (ms) "
+          "| flash-concat (ms) | triton / concat |")  # fmt: skip
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    nan = float("nan")
     for D in args.dims:
         for L in args.lengths:
             for n in args.chunks:
                 t = bench_point(L, D, n, args, have_flash)
-                tflops = 4 * args.batch * args.heads * L * L * D / (t["triton"] * 1e-3) / 1e12
-                pairs, concat = t.get("flash-pairs", float("nan")), t.get("flash-concat", float("nan"))
-                print(f"| {L} | {D} | {n} | {t['triton']:.3f} | {tflops:.0f} | {pairs:.3f} | {concat:.3f} "
-                      f"| {t['triton'] / concat:.3f} |", flush=True)  # fmt: skip
+                tri, concat = t.get("triton", nan), t.get("flash-concat", nan)
+                tflops = 4 * args.batch * args.heads * L * L * D / (tri * 1e-3) / 1e12
+                cfg = "-"
+                if D in (32, 64, 128):
+                    c = pick_config(D, sm, [L], args.batch * args.heads, sms)
+                    cfg = f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
+                print(f"| {L} | {D} | {n} | {cfg} | {tri:.3f} | {tflops:.0f} | {t.get('flash', nan):.3f} "
+                      f"| {t['torch']:.3f} | {concat:.3f} | {tri / concat:.3f} |", flush=True)  # fmt: skip
     set_backend(None)
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .comm import CommTimeout, OneSided, PeerFailure, make_one_sided, make_two_sided
 from .distributed import check_device
 from .groups import build_groups
+from .kernels import attend_calls
 from .log import get_logger
 from .mesh import Mesh, choose_mesh
 from .strategies import BuildArgs, Strategy, get
@@ -77,6 +78,7 @@ class SequenceParallelContext:
     fallbacks: dict = field(default_factory=dict)
     failed: bool = False  # a call raised: peers may be mid-layer, so close skips the final barrier
     _checked: set = field(repr=False, default_factory=set)
+    _attends: int = field(repr=False, default_factory=lambda: attend_calls())
 
     @property
     def _comms(self) -> list:
@@ -145,16 +147,23 @@ class SequenceParallelContext:
         self._checked.add(sig)
 
     def stats(self) -> dict:
-        """Per-rank counters since init or the last ``reset_stats``."""
-        intra = sum(c.counter.intra_node_bytes for c in self._comms)
-        inter = sum(c.counter.inter_node_bytes for c in self._comms)
+        """Per-rank counters since init or the last ``reset_stats``: calls, bytes to this and
+        other machines, host operations (``transfers``: puts, gets and sends to other ranks;
+        ``grouped_exchanges``: two-sided batches posted; ``barriers``: one-sided barriers and
+        syncs; ``attend_calls``: local attention calls, one kernel launch each with the
+        Triton kernel), symmetric heap bytes, and the calls an integration handed elsewhere."""
+        total = lambda name: sum(getattr(c.counter, name) for c in self._comms)  # noqa: E731
         heap = sum(c.symmetric_heap_bytes() for c in self._comms if isinstance(c, OneSided))
         return {"strategy": self.strategy, "mesh": self.mesh.describe(), "calls": self.calls,
-                "intra_node_bytes": intra, "inter_node_bytes": inter,
+                "intra_node_bytes": total("intra_node_bytes"),
+                "inter_node_bytes": total("inter_node_bytes"),
+                "transfers": total("messages"), "grouped_exchanges": total("grouped_calls"),
+                "barriers": total("barriers"), "attend_calls": attend_calls() - self._attends,
                 "symmetric_heap_bytes": heap, "fallbacks": dict(self.fallbacks)}
 
     def reset_stats(self) -> None:
         self.calls = 0
+        self._attends = attend_calls()
         self.fallbacks.clear()
         for c in self._comms:
             c.counter.reset()

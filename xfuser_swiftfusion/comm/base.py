@@ -55,7 +55,9 @@ class ByteCounter:
     rank: int
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
-    messages: int = 0
+    messages: int = 0         # transfers with other ranks: puts, gets, sends
+    grouped_calls: int = 0    # two-sided: grouped exchanges posted (one batch_isend_irecv each)
+    barriers: int = 0         # one-sided: barrier_all, barrier and sync calls
 
     def count(self, peer: int, nbytes: int) -> None:
         if peer == self.rank:
@@ -68,6 +70,7 @@ class ByteCounter:
 
     def reset(self) -> None:
         self.intra_node_bytes = self.inter_node_bytes = self.messages = 0
+        self.grouped_calls = self.barriers = 0
 
 
 class Handle(abc.ABC):

@@ -497,6 +497,7 @@ class NvshmemCommunicator(OneSided):
         """``issue(stream)`` on the barrier stream after the current stream (and, to quiet, every
         pool stream used since the previous barrier); the current stream then waits for it."""
         self._check()
+        self.counter.barriers += 1
         stream, caller = self._barrier_stream, self._current_stream()
         if quiet:
             for s in self._used.values():

@@ -145,6 +145,7 @@ class P2PCommunicator(TwoSided):
                     unstage.append((t, buf))
             ops += [dist.P2POp(dist.isend, t.contiguous(), p, group) for t, p in sends]
             if ops:
+                self.counter.grouped_calls += 1
                 try:
                     works = dist.batch_isend_irecv(ops)
                 except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed

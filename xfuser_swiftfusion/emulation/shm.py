@@ -349,6 +349,7 @@ class ShmCommunicator(OneSided):
     def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in sync group {ranks}")
+        self.counter.barriers += 1  # barrier and barrier_all end here
         mine = self._control[self.rank]
         peers = sorted(set(ranks) - {self.rank})
         for p in peers:

@@ -1,10 +1,19 @@
 """Backend selection and the public ``attend`` entry point.
 
-Backends: "triton" (fused multi-chunk kernel, default on CUDA; also runs on CPU tensors under
-``TRITON_INTERPRET=1``), "flash" (flash-attn per pair + merge, CUDA only), "cpu" (torch's CPU
-flash attention + merge, default elsewhere). Precedence: ``set_backend(name)`` >
-env ``SWIFTFUSION_KERNEL`` > device default. The choice per device type is cached and logged
-once.
+Backends:
+
+* "triton": the fused multi-chunk kernel; CUDA sm_80+ with D in {32, 64, 128} and fp16/bf16
+  (also runs on CPU tensors under ``TRITON_INTERPRET=1``, fp32 included);
+* "flash": flash-attn, one call per Q chunk on the concatenated K/V + merge; CUDA sm_80+,
+  fp16/bf16, D <= 256 and a multiple of 8;
+* "torch": torch's own CUDA attention ops that return an LSE + merge; any head dim, fp32 too;
+* "cpu": torch's CPU flash attention + merge.
+
+The choice is made per call from the device and the (head dim, dtype) of the inputs:
+``set_backend(name)`` > env ``SWIFTFUSION_KERNEL`` > "auto", which takes the first backend
+of ("triton", "flash", "torch") on CUDA (("cpu",) elsewhere) that is installed and supports
+the shape. An explicit request that cannot run the shape is an error naming the constraint.
+Choices are cached per (device, head dim, dtype) and logged once.
 """
 from __future__ import annotations
 
@@ -15,62 +24,135 @@ from collections.abc import Sequence
 import torch
 
 from ..log import get_logger, log_once
+from . import flash as flash_backend
+from .interpret import interpreting
 from .state import AttnState, finalize as finalize_state
 
 logger = get_logger("xfuser_swiftfusion.kernels")
 
-BACKENDS = ("triton", "flash", "cpu")
+BACKENDS = ("triton", "flash", "torch", "cpu")
 ENV_VAR = "SWIFTFUSION_KERNEL"
+AUTO_ORDER = {"cuda": ("triton", "flash", "torch")}  # any other device type: ("cpu",)
+TRITON_HEAD_DIMS = (32, 64, 128)  # triton_attend.SUPPORTED_HEAD_DIMS, without importing triton
 
 _override: str | None = None
-_chosen: dict[str, str] = {}  # device type -> backend name
+_chosen: dict[tuple, str] = {}  # (device type, index, head dim, dtype) -> backend name
+_calls = 0  # attend calls with at least one Q chunk, in this process
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (found without importing it)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def _missing(name: str, device: torch.device) -> str | None:
-    """Why backend ``name`` cannot run on ``device``, or None if it can."""
+    """Why backend ``name`` cannot run on ``device`` at all (whatever the shape), or None."""
     if name == "cpu":
         return None if device.type == "cpu" else f"CPU tensors (got a {device.type} device)"
+    if name in ("flash", "torch") and device.type != "cuda":
+        return f"a CUDA device (got {device.type})"
     if name == "flash":
-        if device.type != "cuda":
-            return f"a CUDA device (got {device.type})"
-        if importlib.util.find_spec("flash_attn") is None:
+        if not _installed("flash_attn"):
             return "the flash_attn package (pip install flash-attn)"
         return None
-    if importlib.util.find_spec("triton") is None:
+    if name == "torch":
+        return None
+    if not _installed("triton"):
         return "the triton package"
     if device.type == "cuda":
         return None
     return None if interpreting() else f"a CUDA device or TRITON_INTERPRET=1 (got {device.type})"
 
 
-def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``). Read without
-    importing triton: triton.jit decides at decoration time whether to interpret."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _unsupported(
+    name: str, device: torch.device, head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None
+) -> str | None:
+    """Why backend ``name`` (available on ``device``) cannot run inputs of ``head_dim`` and
+    ``dtype``, or None. ``capability``: the CUDA device's (major, minor); unused elsewhere."""
+    cuda = device.type == "cuda"
+    if cuda and capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if name == "triton":
+        if head_dim not in TRITON_HEAD_DIMS:
+            return f"head dim in {TRITON_HEAD_DIMS} (got {head_dim})"
+        if dtype not in (torch.float16, torch.bfloat16) and (cuda or dtype != torch.float32):
+            return f"fp16/bf16 inputs, fp32 only when interpreting (got {dtype})"
+        if cuda and capability < (8, 0):
+            return f"sm_80 or newer (got sm_{capability[0]}{capability[1]})"
+        return None
+    if name == "flash":
+        return flash_backend.supports(head_dim, dtype, capability)
+    if name == "torch":
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"fp16/bf16/fp32 inputs (got {dtype})"
+        if dtype == torch.bfloat16 and capability < (8, 0):
+            return f"sm_80 or newer for bf16 (got sm_{capability[0]}{capability[1]})"
+        return None
+    return None
 
 
-def select_backend(device: torch.device, override: str | None = None) -> str:
-    """Backend name for ``device``: ``override``, else env SWIFTFUSION_KERNEL, else "auto":
-    "triton" on CUDA (then "flash" if triton cannot run, logged once) and "cpu" elsewhere.
-    Raises ValueError / RuntimeError if the request is unknown or cannot run here."""
-    device = torch.device(device)
-    name = override or os.environ.get(ENV_VAR) or "auto"
+def _shape_text(head_dim: int, dtype: torch.dtype) -> str:
+    return f"head dim {head_dim}, {str(dtype).removeprefix('torch.')}"
+
+
+def _select(
+    device: torch.device,
+    name: str,
+    head_dim: int | None,
+    dtype: torch.dtype | None,
+    capability: tuple[int, int] | None,
+) -> tuple[str, dict[str, str]]:
+    """(backend, {skipped backend: why}) for request ``name`` ("auto" or one of ``BACKENDS``)."""
+    shaped = head_dim is not None and dtype is not None
+
+    def why_not(n: str) -> str | None:
+        missing = _missing(n, device)
+        if missing is not None or not shaped:
+            return missing
+        return _unsupported(n, device, head_dim, dtype, capability)
+
     if name == "auto":
-        order = ("triton", "flash") if device.type == "cuda" else ("cpu",)
-        usable = [n for n in order if _missing(n, device) is None]
-        if not usable:
-            raise RuntimeError(f"no attention kernel can run on {device.type}: "
-                               + "; ".join(f"{n} needs {_missing(n, device)}" for n in order))
-        if usable[0] != order[0]:
-            log_once(logger, f"kernel-auto-{device.type}",
-                     f"kernel auto: {order[0]} needs {_missing(order[0], device)}; using {usable[0]}")
-        return usable[0]
+        order = AUTO_ORDER.get(device.type, ("cpu",))
+        reasons: dict[str, str] = {}
+        for n in order:
+            reason = why_not(n)
+            if reason is None:
+                if _missing(order[0], device) is not None:
+                    log_once(logger, f"kernel-auto-{device.type}",
+                             f"kernel auto: {order[0]} needs {_missing(order[0], device)}; using the next "
+                             f"backend that can run each shape")  # fmt: skip
+                return n, reasons
+            reasons[n] = reason
+        what = f"on {device.type}" + (f" for {_shape_text(head_dim, dtype)}" if shaped else "")
+        raise RuntimeError(f"no attention kernel can run {what}: "
+                           + "; ".join(f"{n} needs {r}" for n, r in reasons.items()))  # fmt: skip
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of ('auto', *{BACKENDS})")
     missing = _missing(name, device)
     if missing is not None:
         raise RuntimeError(f"kernel backend {name!r} needs {missing}")
-    return name
+    if shaped:
+        reason = _unsupported(name, device, head_dim, dtype, capability)
+        if reason is not None:
+            raise RuntimeError(f"kernel backend {name!r} needs {reason}, for inputs of {_shape_text(head_dim, dtype)}")
+    return name, {}
+
+
+def select_backend(
+    device: torch.device,
+    override: str | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    capability: tuple[int, int] | None = None,
+) -> str:
+    """Backend name for inputs on ``device``: ``override``, else env SWIFTFUSION_KERNEL, else
+    "auto" (the first of ``AUTO_ORDER`` that can run). With ``head_dim`` and ``dtype`` the
+    choice also honours what each backend supports for that shape (``capability``: the CUDA
+    device's (major, minor), read from the device when None); without them only whether it
+    can run on the device at all. Raises ValueError for an unknown name, RuntimeError for a
+    request (or "auto") that cannot run here."""
+    name = override or os.environ.get(ENV_VAR) or "auto"
+    return _select(torch.device(device), name, head_dim, dtype, capability)[0]
 
 
 def set_backend(name: str | None) -> None:
@@ -82,13 +164,27 @@ def set_backend(name: str | None) -> None:
     _chosen.clear()
 
 
-def current_backend(device: torch.device) -> str:
-    """The (cached) backend ``attend`` uses for tensors on ``device``; logs the first choice."""
-    name = _chosen.get(device.type)
+def current_backend(device: torch.device, head_dim: int | None = None, dtype: torch.dtype | None = None) -> str:
+    """The backend ``attend`` uses for inputs of (``head_dim``, ``dtype``) on ``device``; the
+    choice is cached and, the first time per shape, logged with the reasons any preferred
+    backend was passed over. Without a shape: the backend for the device as a whole."""
+    device = torch.device(device)
+    key = (device.type, device.index, head_dim, dtype)
+    name = _chosen.get(key)
     if name is None:
-        name = _chosen[device.type] = select_backend(device, _override)
-        logger.info("swiftfusion attention kernel backend for %s: %s", device.type, name)
+        requested = _override or os.environ.get(ENV_VAR) or "auto"
+        name, skipped = _select(device, requested, head_dim, dtype, None)
+        _chosen[key] = name
+        if head_dim is not None:
+            because = "".join(f"; {n} needs {why}" for n, why in skipped.items())
+            logger.info("swiftfusion attention kernel backend for %s, %s: %s%s",
+                        device.type, _shape_text(head_dim, dtype), name, because)  # fmt: skip
     return name
+
+
+def attend_calls() -> int:
+    """Number of ``attend`` calls with at least one Q chunk made in this process."""
+    return _calls
 
 
 def _check_args(q_chunks, kv_chunks, states, out) -> None:
@@ -136,7 +232,10 @@ def attend(
     if not q_chunks:
         return [] if finalize else None
     _check_args(q_chunks, kv_chunks, states, out)
-    backend = current_backend(q_chunks[0].device)
+    global _calls
+    _calls += 1
+    q0 = q_chunks[0]
+    backend = current_backend(q0.device, q0.shape[-1], q0.dtype)
     if backend == "triton":
         from .triton_attend import attend_triton
 
@@ -145,9 +244,11 @@ def attend(
         attend_triton(q_chunks, kv_chunks, states, scale, out if finalize else None)
         return list(out) if finalize else None
     if backend == "flash":
-        from .flash import attend_flash
+        flash_backend.attend_flash(q_chunks, kv_chunks, states, scale)
+    elif backend == "torch":
+        from .torch_cuda import attend_torch
 
-        attend_flash(q_chunks, kv_chunks, states, scale)
+        attend_torch(q_chunks, kv_chunks, states, scale)
     else:
         from .cpu import attend_cpu
 

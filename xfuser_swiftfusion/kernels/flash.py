@@ -1,6 +1,10 @@
-"""flash-attn backend (CUDA): one ``flash_attn_func`` call per (Q chunk, KV chunk) pair, each
-partial (out, lse) merged into the Q chunk's state. ``flash_attn`` is imported lazily, so
-this module imports without it.
+"""flash-attn backend (CUDA): per call, the KV chunks are concatenated once into flash-attn's
+layout [B, sum Lk_j, H, D], and each Q chunk makes ONE ``flash_attn_func`` call against it;
+its (out, lse) is merged into the chunk's state. ``flash_attn`` is imported lazily, so this
+module imports without it.
+
+flash-attn 2 runs fp16/bf16 with D <= 256 and a multiple of 8 on sm_80 or newer (the
+dispatcher checks this before choosing the backend).
 """
 from __future__ import annotations
 
@@ -10,11 +14,32 @@ import torch
 
 from .state import AttnState, merge_partial_
 
+MAX_HEAD_DIM = 256
+
+
+def supports(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
+    """Why flash-attn 2 cannot run (head_dim, dtype) on a GPU of ``capability``; None if it can."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16/bf16 inputs (got {dtype})"
+    if head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
+        return f"a head dim <= {MAX_HEAD_DIM} and a multiple of 8 (got {head_dim})"
+    if capability < (8, 0):
+        return f"sm_80 or newer (got sm_{capability[0]}{capability[1]})"
+    return None
+
 
 def _flash_attn_func():
     from flash_attn import flash_attn_func
 
     return flash_attn_func
+
+
+def _blhd(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[B, H, L_j, D]`` chunks -> ``[B, sum L_j, H, D]`` (a view for one chunk, else one
+    contiguous copy)."""
+    if len(chunks) == 1:
+        return chunks[0].transpose(1, 2)
+    return torch.cat([c.transpose(1, 2) for c in chunks], dim=1)
 
 
 def attend_flash(
@@ -24,24 +49,26 @@ def attend_flash(
     scale: float,
 ) -> None:
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against every
-    (K_j, V_j) [B, H, Lk_j, D]; fp16/bf16 CUDA tensors."""
-    flash_attn_func = _flash_attn_func()
+    (K_j, V_j) [B, H, Lk_j, D]: one flash-attn call per non-empty Q chunk on the concatenated
+    K/V; fp16/bf16 CUDA tensors."""
     kv_chunks = [(k, v) for k, v in kv_chunks if k.shape[2] > 0]
-    for q, state in zip(q_chunks, states):
-        if q.numel() == 0:
-            continue
-        q_bl = q.transpose(1, 2)  # [B, H, Lq, D] -> [B, Lq, H, D]
-        for k, v in kv_chunks:
-            out, lse, _ = flash_attn_func(
-                q_bl,
-                k.transpose(1, 2),  # [B, H, Lk, D] -> [B, Lk, H, D]
-                v.transpose(1, 2),  # [B, H, Lk, D] -> [B, Lk, H, D]
-                softmax_scale=scale,
-                return_attn_probs=True,
+    work = [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0]
+    if not kv_chunks or not work:
+        return
+    flash_attn_func = _flash_attn_func()
+    k = _blhd([k for k, _ in kv_chunks])  # [B, sum Lk_j, H, D]
+    v = _blhd([v for _, v in kv_chunks])  # [B, sum Lk_j, H, D]
+    for q, state in work:
+        out, lse, _ = flash_attn_func(
+            q.transpose(1, 2),  # [B, H, Lq, D] -> [B, Lq, H, D]
+            k,
+            v,
+            softmax_scale=scale,
+            return_attn_probs=True,
+        )
+        if lse.shape != state.m.shape:
+            raise RuntimeError(
+                f"flash_attn_func returned lse of shape {tuple(lse.shape)}, expected "
+                f"[B, H, Lq] = {tuple(state.m.shape)}; unsupported flash-attn version"
             )
-            if lse.shape != state.m.shape:
-                raise RuntimeError(
-                    f"flash_attn_func returned lse of shape {tuple(lse.shape)}, expected "
-                    f"[B, H, Lq] = {tuple(state.m.shape)}; unsupported flash-attn version"
-                )
-            merge_partial_(state, out.transpose(1, 2), lse)  # out [B, Lq, H, D] -> [B, H, Lq, D]
+        merge_partial_(state, out.transpose(1, 2), lse)  # out [B, Lq, H, D] -> [B, H, Lq, D]

@@ -21,6 +21,7 @@ arithmetic wrong.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
-from .dispatch import interpreting
+from .interpret import interpreting
 from .state import AttnState, finalize
 
 # Chunk tables (int64). A Q-chunk row holds five groups (address, stride_b, stride_h,
@@ -144,7 +146,8 @@ def _multi_chunk_attn_kernel(
 
 
 # ---------------------------------------------------------------------------------------
-# Launch configurations, chosen by (head dim, GPU arch major). No autotuning at import.
+# Launch configurations, chosen per launch from (head dim, SM version, grid size). No
+# autotuning at import.
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KernelConfig:
@@ -154,28 +157,78 @@ class KernelConfig:
     num_stages: int
 
 
-# Defaults (not tuned on hardware: no GPU was available). Chosen so that the AOT compile for
-# sm_80 / sm_90 shows no register spills and shared memory fits A100 (164 KiB) / H100
-# (228 KiB) per block; tests/test_kernels_triton.py checks both for every entry.
-# >>> Add tuned configurations here: CONFIGS[(head_dim, arch_major)] = KernelConfig(...) <<<
-CONFIGS: dict[tuple[int, int], KernelConfig] = {
-    (32, 8): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    (64, 8): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    (128, 8): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
-    (32, 9): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    (64, 9): KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    (128, 9): KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+# TABLES[(head_dim, table)] = (config for full grids, config for small grids). Not timed on
+# hardware (no GPU was available): chosen from the AOT compile so that no entry spills
+# registers and shared memory fits every GPU the table serves (tests/test_kernel_choice.py
+# compiles each entry for each of them):
+#   80: sm_80, sm_87                      (A100; 163 KiB shared memory per block)
+#   86: sm_86, sm_89, sm_120, sm_121      (A10, L4, L40S, RTX 30/40/50; 99 KiB per block)
+#   90: sm_90, sm_100, sm_103, sm_110     (H100/H200, B200/B300; 227 KiB per block)
+# Full grids take 128-row query tiles; the small-grid entry takes 64-row tiles, for launches
+# whose 128-row grid would leave SMs without a program (``pick_config``). At D 128, 64-key
+# tiles need 8 warps; with 128 query rows they reach 255 registers and spill on sm_80/86/89/
+# 120 (8 to 72 bytes), so there full grids keep 32-key tiles and small grids take 64 x 64.
+TABLES: dict[tuple[int, int], tuple[KernelConfig, KernelConfig]] = {
+    (32, 80): (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (64, 80): (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 2)),
+    (128, 80): (KernelConfig(128, 32, 8, 3), KernelConfig(64, 64, 8, 3)),
+    (32, 86): (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (64, 86): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3)),
+    (128, 86): (KernelConfig(128, 32, 8, 3), KernelConfig(64, 64, 8, 3)),
+    (32, 90): (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 8, 3)),
+    (64, 90): (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
+    (128, 90): (KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 8, 3)),
 }
+# The GPUs each table is checked on (SM versions).
+TABLE_ARCHS: dict[int, tuple[int, ...]] = {80: (80,), 86: (86, 89, 120), 90: (90, 100)}
+# Full-grid configuration per (head dim, arch major): 8 = sm_80, 9 = sm_90.
+CONFIGS: dict[tuple[int, int], KernelConfig] = {
+    (d, t // 10): cfgs[0] for (d, t), cfgs in TABLES.items() if t in (80, 90)
+}
+# Used when a GPU rejects the tabled configuration (shared memory, threads): at most 48 KiB of
+# shared memory at D 128, no spills on sm_80/86/90.
+SAFE_CONFIG = KernelConfig(64, 32, 4, 2)
 _INTERPRETER_CONFIG = KernelConfig(32, 32, 1, 1)  # small tiles keep the interpreter quick
 
 
-def pick_config(head_dim: int, arch_major: int) -> KernelConfig:
-    """Configuration for (head_dim, arch major); newer archs fall back to the newest known."""
+def table_for(sm: int) -> int:
+    """The table serving SM version ``sm`` (80, 86, 89, 90, 100, 120, ...)."""
+    major = sm // 10
+    if sm in (86, 89) or major >= 12:  # 99 KiB of shared memory per block
+        return 86
+    return 90 if major >= 9 else 80
+
+
+def q_tiles(q_lengths: Sequence[int], block_m: int) -> int:
+    """Programs along the grid's first axis: query tiles of ``block_m`` rows over all chunks."""
+    return sum(triton.cdiv(n, block_m) for n in q_lengths)
+
+
+def pick_config(
+    head_dim: int, arch: int, q_lengths: Sequence[int] = (), batch_heads: int = 0, sms: int = 0
+) -> KernelConfig:
+    """Configuration for ``head_dim`` on SM version ``arch`` (80, 86, 90, ...; a single digit
+    is a major version, 8 meaning sm_80). The full-grid entry, unless the launch (query chunk
+    lengths ``q_lengths``, ``batch_heads`` = B * H) would give fewer programs than the GPU's
+    ``sms`` streaming multiprocessors: then the small-grid entry (smaller query tiles, more
+    programs). Older archs than any table take the oldest table."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    known = sorted(a for d, a in CONFIGS if d == head_dim)
-    arch = max((a for a in known if a <= arch_major), default=known[0])
-    return CONFIGS[(head_dim, arch)]
+    sm = arch * 10 if arch < 20 else arch
+    full, small = TABLES[(head_dim, table_for(sm))]
+    if q_tiles(q_lengths, full.block_m) * batch_heads < sms:
+        return small
+    return full
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int | None) -> tuple[int, int]:
+    """(SM version, number of SMs) of CUDA device ``index`` (None: the current device)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+_rejected: set[tuple[int | None, KernelConfig]] = set()  # (device index, config) a GPU refused
 
 
 def _strides(t: torch.Tensor) -> list[int]:
@@ -207,12 +260,21 @@ def _check_in_place(t: torch.Tensor, what: str) -> None:
         )
 
 
+def _launch_config(device: torch.device, head_dim: int, q_lengths: Sequence[int], batch_heads: int) -> KernelConfig:
+    """``pick_config`` for the CUDA device's SM version and SM count; ``SAFE_CONFIG`` where
+    this device refused that configuration before."""
+    sm, sms = _device_info(device.index)
+    cfg = pick_config(head_dim, sm, q_lengths, batch_heads, sms)
+    return SAFE_CONFIG if (device.index, cfg) in _rejected else cfg
+
+
 def attend_triton(
     q_chunks: Sequence[torch.Tensor],
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
     states: Sequence[AttnState],
     scale: float,
     out: Sequence[torch.Tensor] | None = None,
+    cfg: KernelConfig | None = None,
 ) -> None:
     """Update ``states`` (and write ``out`` when given) in ONE kernel launch.
 
@@ -220,10 +282,12 @@ def attend_triton(
     (fp16/bf16 on GPU; fp32 too under the interpreter); D in {32, 64, 128}. Inputs that are
     not kernel-ready (see ``_kernel_ready``) are copied; ``states[i].acc`` and ``out[i]``
     ([B, H, Lq_i, D], query dtype, receives acc / l) are written in place, so they must be
-    kernel-ready or a ValueError is raised.
+    kernel-ready or a ValueError is raised. ``cfg`` overrides the launch configuration
+    (default: ``pick_config`` for the device and grid; small tiles under the interpreter).
     """
     dtype = q_chunks[0].dtype
     B, H, _, D = q_chunks[0].shape
+    device = q_chunks[0].device
     interp = interpreting()
     if dtype not in (torch.float16, torch.bfloat16) and not (interp and dtype == torch.float32):
         raise TypeError(f"triton backend needs fp16/bf16 inputs (fp32 only when interpreting), got {dtype}")
@@ -231,11 +295,13 @@ def attend_triton(
         raise ValueError(f"triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {D}")
     if not scale > 0:
         raise ValueError(f"triton backend needs a positive softmax scale, got {scale}")
-    cfg = _INTERPRETER_CONFIG if interp else pick_config(D, torch.cuda.get_device_capability(q_chunks[0].device)[0])
+    q_lengths = [q.shape[2] for q in q_chunks if q.shape[2] > 0]
+    if cfg is None:
+        cfg = _INTERPRETER_CONFIG if interp else _launch_config(device, D, q_lengths, B * H)
 
     rows: list[int] = []  # Q-chunk rows, then KV-chunk rows (see NQF / NKF)
     keep: list[torch.Tensor] = []  # tensors whose addresses are in the table stay alive
-    n_q = n_kv = n_tiles = 0
+    n_q = n_kv = 0
     for i, (q, s) in enumerate(zip(q_chunks, states)):
         Lq = q.shape[2]
         if Lq == 0:
@@ -251,8 +317,7 @@ def attend_triton(
         keep += [q, o]
         rows += [q.data_ptr(), *_strides(q), s.acc.data_ptr(), *_strides(s.acc)]
         rows += [s.m.data_ptr(), *_strides(s.m), s.l.data_ptr(), *_strides(s.l)]
-        rows += [o.data_ptr(), *_strides(o), Lq, n_tiles]
-        n_tiles += triton.cdiv(Lq, cfg.block_m)
+        rows += [o.data_ptr(), *_strides(o), Lq, -1]  # first tile: filled in by _set_first_tiles
         n_q += 1
     for k, v in kv_chunks:
         if k.shape[2] == 0:
@@ -267,14 +332,36 @@ def attend_triton(
         for s, o in zip(states, out or []):
             finalize(s, dtype, o)
         return
-    table = torch.tensor(rows, dtype=torch.int64).to(q_chunks[0].device, non_blocking=True)
+    try:
+        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, out is not None, interp, device)
+    except OutOfResources:  # raised before anything runs
+        if interp or cfg == SAFE_CONFIG:
+            raise
+        _rejected.add((device.index, cfg))
+        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, SAFE_CONFIG, out is not None, interp, device)
+    del keep  # freed memory is reused only by work queued after this launch on the stream
+
+
+def _set_first_tiles(rows: list[int], n_q: int, block_m: int) -> int:
+    """Write each Q chunk's first tile (the exclusive prefix sum of tile counts) into its
+    table row; returns the total number of tiles."""
+    n_tiles = 0
+    for i in range(n_q):
+        rows[i * NQF.value + F_TILE0.value] = n_tiles
+        n_tiles += triton.cdiv(rows[i * NQF.value + F_LQ.value], block_m)
+    return n_tiles
+
+
+def _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg: KernelConfig, finalizing: bool, interp: bool, device) -> None:
+    """One launch of the kernel over the chunk table ``rows`` with configuration ``cfg``."""
+    n_tiles = _set_first_tiles(rows, n_q, cfg.block_m)
+    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     _multi_chunk_attn_kernel[(n_tiles, B, H)](
         table, n_q, n_kv, scale,
         DTYPE=_TL_DTYPES[dtype], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        FINALIZE=out is not None, UPCAST=interp,
+        FINALIZE=finalizing, UPCAST=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    del keep  # freed memory is reused only by work queued after this launch on the stream
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,7 +373,7 @@ def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = T
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cfg = cfg or pick_config(head_dim, arch // 10)
+    cfg = cfg or pick_config(head_dim, arch)
     src = ASTSource(
         fn=_multi_chunk_attn_kernel,
         signature={"table": "*i64", "n_q": "i32", "n_kv": "i32", "scale": "fp32"},

@@ -16,6 +16,7 @@ import torch
 
 from ..distributed import init_distributed_from_env
 from ..emulation.netns import add_link_argument, link_from_args
+from ..kernels import BACKENDS
 from ..mesh import choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine
 from ..strategies import names, specs
 from ..topology import Topology, TopologyError
@@ -163,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--joint-tokens", type=int, default=0, help="replicated text tokens")
     ck.add_argument("--joint-strategy", choices=("front", "rear"), default="front")
     ck.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout in seconds")
-    ck.add_argument("--kernel", choices=("auto", "cpu", "triton", "flash"),
-                    help="local attention kernel (default: triton on CUDA, cpu otherwise)")
+    ck.add_argument("--kernel", choices=("auto", *BACKENDS),
+                    help="local attention kernel (default: per call, triton where it supports "
+                         "the head dim and dtype, else flash-attn, else torch; cpu on CPU)")
 
     from .compare import add_arguments as add_compare_arguments
     add_compare_arguments(sub.add_parser(

@@ -1,0 +1,70 @@
+"""Host operations per attention call, pinned to formulas in T (machines a Ulysses group spans),
+U (its GPUs per machine), R (ring degree) and G = T*U (Ulysses degree).
+
+Counted by ``ctx.stats()`` per call (no text tokens):
+
+- ``tas``: 4 all-to-alls (one grouped exchange each when G > 1) and a ring of R - 1 steps
+  (one exchange each, K and V); R attend calls in the ring plus one to finalize.
+- ``torus``: the intra-machine scatter of Q, K, V (3 exchanges when U > 1), 3 (T - 1) pulls
+  (Q, K, V per stage), T pushes of O (the local one an exchange only when U > 1), and R - 1
+  ring steps in each of the 3T - 2 ring passes (T Pull-Q, T - 2 Pull-KV, T - 1 blocks of the
+  last Pull-KV, one Push-O; 1 when T = 1); R attends per pass and T finalizations.
+- ``swiftfusion``: the same transfers as one-sided puts and gets, no grouped exchange, two
+  global barriers and one ring-group sync per Pull-KV stage when R > 1.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import xfuser_swiftfusion as sf
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+
+# (topology, heads): T, U, R with the TAS rule P_u = gcd(N*M, H)
+CASES = {("1x2", 2): (1, 2, 1), ("2x2", 4): (2, 2, 1), ("2x2", 2): (2, 1, 2),
+         ("4x1", 4): (4, 1, 1), ("2x4", 4): (2, 2, 2)}
+
+
+def expected(strategy: str, T: int, U: int, R: int) -> dict:
+    G, passes = T * U, 3 * T - 2
+    if strategy == "tas":
+        return {"transfers": 4 * (G - 1) + 2 * (R - 1), "grouped_exchanges": 4 * (G > 1) + R - 1,
+                "barriers": 0, "attend_calls": R + 1}
+    transfers = 4 * (U - 1) + 4 * U * (T - 1) + 2 * (R - 1) * passes
+    attends = R * passes + T
+    if strategy == "torus":
+        return {"transfers": transfers, "attend_calls": attends, "barriers": 0,
+                "grouped_exchanges": 4 * (U > 1) + 4 * (T - 1) + (R - 1) * passes}
+    return {"transfers": transfers, "attend_calls": attends, "grouped_exchanges": 0,
+            "barriers": 2 + (T - 1) * (R > 1)}
+
+
+def _counts(heads: int) -> dict:
+    S, D = 8, 8
+    x = torch.randn(1, heads, S, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+    for strategy in ("tas", "torus", "swiftfusion"):
+        with sf.init_sequence_parallel(strategy, heads, timeout_s=60) as ctx:
+            ctx.attention(x, x, x)  # first call: shape check and buffers
+            ctx.reset_stats()
+            for _ in range(2):
+                ctx.attention(x, x, x)
+            stats = ctx.stats()
+            m = ctx.mesh
+            out[strategy] = ({k: stats[k] / stats["calls"] for k in
+                              ("transfers", "grouped_exchanges", "barriers", "attend_calls")},
+                             (m.torus, m.ulysses_intra, m.ring))
+    return out
+
+
+@pytest.mark.parametrize("topology,heads", list(CASES))
+def test_host_operations_per_call_follow_the_formulas(topology, heads):
+    for rank, counts in enumerate(run_emulated(_counts, topology, heads, timeout_s=180)):
+        for strategy, (per_call, tur) in counts.items():
+            assert tur == CASES[(topology, heads)], (strategy, tur)
+            assert per_call == expected(strategy, *tur), (topology, heads, rank, strategy, per_call)
+
+
+def test_formula_counts_are_not_all_equal():
+    """The formulas tell the strategies apart (the test above can fail on a wrong one)."""
+    rows = {s: expected(s, 2, 2, 2) for s in ("tas", "torus", "swiftfusion")}
+    assert len({tuple(r.values()) for r in rows.values()}) == 3
