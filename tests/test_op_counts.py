@@ -9,8 +9,9 @@ Counted by ``ctx.stats()`` per call (no text tokens):
   (Q, K, V per stage), T pushes of O (the local one an exchange only when U > 1), and R - 1
   ring steps in each of the 3T - 2 ring passes (T Pull-Q, T - 2 Pull-KV, T - 1 blocks of the
   last Pull-KV, one Push-O; 1 when T = 1); R attends per pass and T finalizations.
-- ``swiftfusion``: the same transfers as one-sided puts and gets, no grouped exchange, two
-  global barriers and one ring-group sync per Pull-KV stage when R > 1.
+- ``swiftfusion``: the same stages as one-sided puts and gets with K and V of a slot packed
+  (one get per pulled K/V block and per ring step), no grouped exchange, two global barriers
+  and one ring-group sync per Pull-KV stage when R > 1.
 """
 import pytest
 import torch
@@ -29,13 +30,13 @@ def expected(strategy: str, T: int, U: int, R: int) -> dict:
     if strategy == "tas":
         return {"transfers": 4 * (G - 1) + 2 * (R - 1), "grouped_exchanges": 4 * (G > 1) + R - 1,
                 "barriers": 0, "attend_calls": R + 1}
-    transfers = 4 * (U - 1) + 4 * U * (T - 1) + 2 * (R - 1) * passes
     attends = R * passes + T
     if strategy == "torus":
-        return {"transfers": transfers, "attend_calls": attends, "barriers": 0,
+        return {"transfers": 4 * (U - 1) + 4 * U * (T - 1) + 2 * (R - 1) * passes,
+                "attend_calls": attends, "barriers": 0,
                 "grouped_exchanges": 4 * (U > 1) + 4 * (T - 1) + (R - 1) * passes}
-    return {"transfers": transfers, "attend_calls": attends, "grouped_exchanges": 0,
-            "barriers": 2 + (T - 1) * (R > 1)}
+    return {"transfers": 4 * (U - 1) + 3 * U * (T - 1) + (R - 1) * passes,
+            "attend_calls": attends, "grouped_exchanges": 0, "barriers": 2 + (T - 1) * (R > 1)}
 
 
 def _counts(heads: int) -> dict:

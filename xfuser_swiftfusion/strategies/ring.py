@@ -1,8 +1,9 @@
 """Ring attention over the ring group, in two-sided and one-sided form.
 
-Both are ``ring(q_chunks, states, k, v, what=)``: every Q chunk (``[B, h, Lq, D]``) attends
-to the K/V block ``[n, B, h, S, D]`` (``n`` slots of ``[B, h, S, D]``) of EVERY rank of the
-ring group; partial results are merged into ``states`` (one per Q chunk) in place.
+Both are ``ring(q_chunks, states, *block, what=)``: every Q chunk (``[B, h, Lq, D]``) attends
+to the K/V block of EVERY rank of the ring group; partial results are merged into ``states``
+(one per Q chunk) in place. A block is ``(k, v)``, each ``[n, B, h, S, D]`` (``n`` slots of
+``[B, h, S, D]``), or one packed ``kv`` ``[n, 2, B, h, S, D]`` that moves in one transfer.
 
 - ``PassRing`` (two-sided, as ring-flash-attention): R steps; at step i the block that
   started on ring rank ``r - i`` is attended while it is passed on to ``r + 1``.
@@ -20,22 +21,26 @@ from ..comm.base import Handle, OneSided, TwoSided
 from ..kernels import AttnState, attend
 
 
-def slots(k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[n, B, h, S, D]`` blocks -> n ``(K, V)`` chunks of ``[B, h, S, D]``."""
+def slots(*block: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A block -> its ``(K, V)`` chunks ``[B, h, S, D]``: ``(k, v)`` ``[n, B, h, S, D]`` each,
+    or ``(kv,)`` ``[n, 2, B, h, S, D]``."""
+    if len(block) == 1:
+        return [(kv[0], kv[1]) for kv in block[0].unbind(0)]
+    k, v = block
     return list(zip(k.unbind(0), v.unbind(0)))
 
 
 class _Buffers:
-    """Two (K, V) receive buffers per (shape, dtype), allocated once."""
+    """Two receive buffers per block form (shapes, dtype), allocated once."""
 
     def __init__(self, alloc) -> None:
         self._alloc = alloc
-        self._bufs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._bufs: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
 
-    def pair(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        key = (tuple(like.shape), like.dtype, like.device)
+    def pair(self, block: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+        key = tuple((tuple(x.shape), x.dtype, x.device) for x in block)
         if key not in self._bufs:
-            self._bufs[key] = [(self._alloc(like), self._alloc(like)) for _ in range(2)]
+            self._bufs[key] = [tuple(self._alloc(x) for x in block) for _ in range(2)]
         return self._bufs[key]
 
 
@@ -47,14 +52,14 @@ class _Ring:
         self.bufs = _Buffers(torch.empty_like)
 
     def __call__(self, q_chunks: list[torch.Tensor], states: list[AttnState],
-                 k: torch.Tensor, v: torch.Tensor, *, scale: float, what: str) -> None:
+                 *block: torch.Tensor, scale: float, what: str) -> None:
         R = len(self.ranks)
-        bufs = self.bufs.pair(k) if R > 1 else []
-        cur = (k, v)
+        bufs = self.bufs.pair(block) if R > 1 else []
+        cur = block
         for i in range(1, R + 1):
             if i < R:
                 nxt = bufs[i % 2]
-                handles = self._fetch(i, (k, v), cur, nxt, what=f"{what}, ring step {i}/{R - 1}")
+                handles = self._fetch(i, block, cur, nxt, what=f"{what}, ring step {i}/{R - 1}")
             attend(q_chunks, slots(*cur), states, scale=scale)
             if i < R:
                 for h in handles:
@@ -74,12 +79,12 @@ class PassRing(_Ring):
     def _fetch(self, i, own, cur, dst, *, what):
         R = len(self.ranks)
         nxt, prv = self.ranks[(self.r + 1) % R], self.ranks[(self.r - 1) % R]
-        return [self.comm.exchange([(cur[0], nxt), (cur[1], nxt)], [(dst[0], prv), (dst[1], prv)],
+        return [self.comm.exchange([(c, nxt) for c in cur], [(d, prv) for d in dst],
                                    what=what, queue="ring")]
 
 
 class PullRing(_Ring):
-    """One-sided: get ring rank ``r + i``'s own block (``k``/``v`` are symmetric views)."""
+    """One-sided: get ring rank ``r + i``'s own block (symmetric views; packed: one get)."""
 
     comm: OneSided
 

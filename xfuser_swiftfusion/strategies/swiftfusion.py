@@ -6,9 +6,10 @@ Symmetric buffers on every rank (``[T, U]`` grids of slots, ``layout.Slots``: im
   scattered within my machine; else pulled from machine ``a``), then its output;
 - ``QOb`` (slots): slot ``a != t`` first stages my queries for machine ``a`` to pull, then
   receives my tokens' outputs pushed back by that machine (slot ``t``: from my machine);
-- ``Kb, Vb`` ``[T, U, B, h, S, D]``: slot ``a != t`` staged for machine ``a``, slot ``t`` my
-  working K/V (written only by the intra-machine scatter);
-- pulled ``K, V`` ``[T-1, U, B, h, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
+- ``KVb`` ``[T, U, 2, B, h, S, D]`` (K and V of a slot adjacent, so they move in one
+  transfer): slot ``a != t`` staged for machine ``a``, slot ``t`` my working K/V (written only
+  by the intra-machine scatter);
+- pulled ``KV`` ``[T-1, U, 2, B, h, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
   same slot on every ring peer, which shares ``t``: ring peers read them).
 Per rank that is 2 X' + (2 + 2 (T-1)/T) X (X: one rank's Q, X': with text rows). Pulled Q
 and QO/QOb are symmetric although no peer reads them because NVSHMEM's inter-machine
@@ -74,10 +75,10 @@ class OneSidedTorusIO:
         if key not in self._buffers:
             sym = lambda shape: self.comm.symmetric_empty(shape, q.dtype)  # noqa: E731
             slots = lambda: Slots.alloc(sym, (T, U), B, h, S, text_len, D)  # noqa: E731
-            kv = lambda m: sym((m, U, B, h, S, D))  # noqa: E731
-            buf = {"QO": slots(), "QOb": slots(), "Kb": kv(T), "Vb": kv(T)}
+            kv = lambda m: sym((m, U, 2, B, h, S, D))  # noqa: E731
+            buf = {"QO": slots(), "QOb": slots(), "KVb": kv(T)}
             if T > 1:  # one machine: nothing to pull
-                buf |= {"K": kv(T - 1), "V": kv(T - 1)}
+                buf["KV"] = kv(T - 1)
             self._buffers[key] = buf
         return self._buffers[key]
 
@@ -85,8 +86,9 @@ class OneSidedTorusIO:
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         self.buf = self._alloc(q, text_len)
         self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
-        staged = {"Q": self.Ob.rows, "K": self.buf["Kb"], "V": self.buf["Vb"]}  # [T, U, B, h, S, D]
-        working = {"Q": self.O.rows[t], "K": self.buf["Kb"][t], "V": self.buf["Vb"][t]}  # [U, B, h, S, D]
+        KVb = self.buf["KVb"]  # [T, U, 2, B, h, S, D]
+        staged = {"Q": self.Ob.rows, "K": KVb[:, :, 0], "V": KVb[:, :, 1]}  # [T, U, B, h, S, D]
+        working = {n: x[t] for n, x in staged.items()} | {"Q": self.O.rows[t]}  # [U, B, h, S, D]
         for n, x in (("Q", q), ("K", k), ("V", v)):
             src = split_heads(x, T, U)  # [B, H, S, D] -> [T, U, B, h, S, D] (view)
             for a in range(T):
@@ -110,8 +112,8 @@ class OneSidedTorusIO:
 
         EQ = {kk: pull(kk, [("Q", self.O.rows[(t - kk) % T], self.Ob.rows)], f"Pull-Q stage {kk + 1}")
               for kk in range(1, T)}
-        EKV = {kk: pull(kk, [("K", b_["K"][kk - 1], b_["Kb"]), ("V", b_["V"][kk - 1], b_["Vb"])],
-                        f"Pull-KV stage {kk}") for kk in range(1, T)}
+        EKV = {kk: pull(kk, [("K/V", b_["KV"][kk - 1], b_["KVb"])], f"Pull-KV stage {kk}")
+               for kk in range(1, T)}
         return EQ, EKV
 
     def _slot(self, a: int) -> int:
@@ -121,13 +123,16 @@ class OneSidedTorusIO:
     def q_block(self, a):
         return self.O.rows[a]
 
+    def _kv(self, a: int) -> torch.Tensor:
+        """``[U, 2, B, h, S, D]``: K/V of machine ``a``'s tokens, my head group."""
+        return self.buf["KVb"][a] if a == self.t else self.buf["KV"][self._slot(a)]
+
     def kv_block(self, a):
-        if a == self.t:
-            return self.buf["Kb"][a], self.buf["Vb"][a]
-        return self.buf["K"][self._slot(a)], self.buf["V"][self._slot(a)]
+        kv = self._kv(a)
+        return kv[:, 0], kv[:, 1]
 
     def ring(self, q_chunks, states, a, *, scale, what):
-        self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what)
+        self._ring(q_chunks, states, self._kv(a), scale=scale, what=what)  # packed: one get a step
 
     def barrier_ring(self, *, what):
         if len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t'], which I waited
