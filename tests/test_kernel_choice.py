@@ -14,16 +14,15 @@ launch-configuration table.
 """
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from support.interpreter import report, run_cases_in_subprocess
 from support.reference import attention_lse
 from xfuser_swiftfusion.kernels import dispatch, new_state, set_backend
 from xfuser_swiftfusion.kernels import flash as flash_backend
@@ -401,51 +400,42 @@ def _interpreter_shapes():
     return sorted(shapes)
 
 
-def _run_interpreter_cases() -> None:
-    """Subprocess side (TRITON_INTERPRET=1): every table tile shape in three dtypes, chunks
-    across tile boundaries over two calls, the second finalizing; one JSON line per case."""
+def _table_case(D: int, bm: int, bn: int, dtype: torch.dtype, name: str) -> None:
+    """One table tile shape: chunks across tile boundaries over two calls, the second
+    finalizing, against the fp64 reference."""
     from xfuser_swiftfusion.kernels.triton_attend import KernelConfig, attend_triton
 
+    cfg = KernelConfig(bm, bn, 4, 2)
+    rng = random.Random(name)
+    torch.manual_seed(rng.randint(0, 2**31))
+    scale = D**-0.5
+    q_chunks = _chunks(rng, dtype, 1, 2, D, [1, bm - 1, bm + 1, 0])
+    kv = list(zip(_chunks(rng, dtype, 1, 2, D, [bn + 3, 0, 1]), _chunks(rng, dtype, 1, 2, D, [bn + 3, 0, 1])))
+    kv += list(zip(_chunks(rng, dtype, 1, 2, D, [2 * bn]), _chunks(rng, dtype, 1, 2, D, [2 * bn])))
+    states = [new_state(q) for q in q_chunks]
+    outs = [torch.empty_like(q, memory_format=torch.contiguous_format) for q in q_chunks]
+    attend_triton(q_chunks, kv[:2], states, scale, cfg=cfg)
+    attend_triton(q_chunks, kv[2:], states, scale, out=outs, cfg=cfg)
+    for q, s, o in zip(q_chunks, states, outs):
+        assert_state_matches(s, q, kv, scale, TOL[dtype])
+        ref_out, _ = reference(q, kv, scale)
+        err = (o.double() - ref_out).abs().max().item() if o.numel() else 0.0
+        assert err <= TOL[dtype], f"finalized output error {err:.3g}"
+
+
+def _interpreter_cases() -> dict:
+    """Every table tile shape in three dtypes (run under TRITON_INTERPRET=1)."""
+    cases = {}
     for D, bm, bn in _interpreter_shapes():
         for dtype in DTYPES:
             name = f"D{D}-{bm}x{bn}-{str(dtype).removeprefix('torch.')}"
-            try:
-                cfg = KernelConfig(bm, bn, 4, 2)
-                rng = random.Random(name)
-                torch.manual_seed(rng.randint(0, 2**31))
-                scale = D**-0.5
-                q_chunks = _chunks(rng, dtype, 1, 2, D, [1, bm - 1, bm + 1, 0])
-                kv = list(zip(_chunks(rng, dtype, 1, 2, D, [bn + 3, 0, 1]), _chunks(rng, dtype, 1, 2, D, [bn + 3, 0, 1])))
-                kv += list(zip(_chunks(rng, dtype, 1, 2, D, [2 * bn]), _chunks(rng, dtype, 1, 2, D, [2 * bn])))
-                states = [new_state(q) for q in q_chunks]
-                outs = [torch.empty_like(q, memory_format=torch.contiguous_format) for q in q_chunks]
-                attend_triton(q_chunks, kv[:2], states, scale, cfg=cfg)
-                attend_triton(q_chunks, kv[2:], states, scale, out=outs, cfg=cfg)
-                for q, s, o in zip(q_chunks, states, outs):
-                    assert_state_matches(s, q, kv, scale, TOL[dtype])
-                    ref_out, _ = reference(q, kv, scale)
-                    err = (o.double() - ref_out).abs().max().item() if o.numel() else 0.0
-                    assert err <= TOL[dtype], f"finalized output error {err:.3g}"
-                result = "ok"
-            except Exception as e:  # reported to the parent test, which fails on it
-                result = f"{type(e).__name__}: {e}"
-            print(json.dumps({"case": name, "result": result}), flush=True)
+            cases[name] = functools.partial(_table_case, D, bm, bn, dtype, name)
+    return cases
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["case"]] = record["result"]
-    if proc.returncode != 0:
-        results["__subprocess__"] = f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    return results
+    return run_cases_in_subprocess(__file__)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -458,4 +448,4 @@ def test_table_tiles_match_reference_under_interpreter(interpreter_results, shap
 
 
 if __name__ == "__main__":
-    _run_interpreter_cases()
+    report(_interpreter_cases())

@@ -8,14 +8,13 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from support.interpreter import report, run_cases_in_subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_LIMIT = {80: 164 * 1024, 90: 228 * 1024}  # bytes per block: A100, H100
@@ -115,37 +114,10 @@ def _interpreter_cases() -> dict:
     return cases
 
 
-def _run_interpreter_cases() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from xfuser_swiftfusion.kernels import current_backend, set_backend
-
-    set_backend("triton")
-    assert current_backend(torch.device("cpu")) == "triton"
-    for name, case in _interpreter_cases().items():
-        try:
-            case()
-            result = "ok"
-        except Exception as e:  # reported to the parent test, which fails on it
-            result = f"{type(e).__name__}: {e}"
-        print(json.dumps({"case": name, "result": result}), flush=True)
-
-
 # ------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["case"]] = record["result"]
-    if proc.returncode != 0:
-        results["__subprocess__"] = f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    return results
+    return run_cases_in_subprocess(__file__, timeout_s=600)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in RANDOM_CASES] + SPECIAL_CASES)
@@ -177,4 +149,4 @@ def test_pick_config_falls_back_to_newest_known_arch():
 
 
 if __name__ == "__main__":
-    _run_interpreter_cases()
+    report(_interpreter_cases())

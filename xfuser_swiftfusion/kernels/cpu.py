@@ -5,7 +5,7 @@ into groups of at least ``BIG_TILE_ROWS`` rows (copies of O(L * D), cheap next t
 O(Lq * Lk * D) attention): one attention op per group, then one merge per Q chunk. This
 matters for speed: the op tiles queries by 256 rows only when Lq >= 768 (64 below), so
 512-row chunks run at ~57 GFLOP/s and their concatenation at ~78 on one Zen 4 core
-(BENCHMARKS.md, "Kernels (CPU)"). Joining no more than that keeps the transient copy and
+(measured by scripts/bench_kernels.py). Joining no more than that keeps the transient copy and
 output of a many-chunk call to about one group's size.
 
 ``_scaled_dot_product_flash_attention_for_cpu`` (torch 2.13) crashes the process (SIGFPE) on
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .state import AttnState, merge_partial_
+from .state import AttnState, merge_partial_, nonempty
 
 _sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BIG_TILE_ROWS = 768  # from this query length on the op tiles queries by 256 rows (64 below)
@@ -37,8 +37,7 @@ def attend_cpu(
 ) -> None:
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against all
     ``kv_chunks`` (K_j, V_j each [B, H, Lk_j, D]). Inputs must share one dtype."""
-    kv_chunks = [(k, v) for k, v in kv_chunks if k.shape[2] > 0]
-    work = [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0]
+    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
     if not kv_chunks or not work:
         return
     k = _joined([k for k, _ in kv_chunks])  # [B, H, sum Lk_j, D]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .state import AttnState, merge_partial_
+from .state import AttnState, merge_partial_, nonempty
 
 MAX_HEAD_DIM = 256
 
@@ -51,8 +51,7 @@ def attend_flash(
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against every
     (K_j, V_j) [B, H, Lk_j, D]: one flash-attn call per non-empty Q chunk on the concatenated
     K/V; fp16/bf16 CUDA tensors."""
-    kv_chunks = [(k, v) for k, v in kv_chunks if k.shape[2] > 0]
-    work = [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0]
+    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
     if not kv_chunks or not work:
         return
     flash_attn_func = _flash_attn_func()

@@ -11,6 +11,7 @@ A row that has seen no keys has acc = 0, l = 0, m = -inf. All tensors are fp32.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +86,12 @@ def finalize(state: AttnState, dtype: torch.dtype, out: torch.Tensor | None = No
     if out is None:
         out = torch.empty(state.acc.shape, dtype=dtype, device=state.acc.device)
     return torch.div(state.acc, l.unsqueeze(-1), out=out)  # one pass, cast on write
+
+
+def nonempty(q_chunks: Sequence[torch.Tensor], kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             states: Sequence[AttnState]
+             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, AttnState]]]:
+    """The K/V chunks with keys and the (Q chunk, state) pairs with rows: what a backend
+    attends (either list empty: nothing to do; torch's CPU and CUDA ops fail on Lq or Lk 0)."""
+    return ([(k, v) for k, v in kv_chunks if k.shape[2] > 0],
+            [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0])

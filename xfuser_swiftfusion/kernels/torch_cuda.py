@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .state import AttnState, merge_partial_
+from .state import AttnState, merge_partial_, nonempty
 
 # (q, k, v [B, H, L, D], scale) -> (out [B, H, Lq, D], lse fp32 [B, H, >= Lq])
 AttnOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -85,8 +85,7 @@ def attend_torch(
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against all
     ``kv_chunks`` (K_j, V_j each [B, H, Lk_j, D]): one ``op`` call per non-empty Q chunk on
     the concatenated K/V. Inputs share one dtype; ``op`` defaults to ``cuda_op(q)``."""
-    kv_chunks = [(k, v) for k, v in kv_chunks if k.shape[2] > 0]
-    work = [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0]
+    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
     if not kv_chunks or not work:
         return
     k = _joined([k for k, _ in kv_chunks])  # [B, H, sum Lk_j, D]

@@ -29,7 +29,6 @@ import logging
 import os
 import statistics
 import sys
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -430,6 +429,6 @@ def cmd_compare(args) -> int:
     return 0 if all(r.passed is not False for r in table_rows) else 1
 
 
-__all__ = ["CompareConfig", "CompareRow", "JSON_FIELDS", "PeakMemory", "TOLERANCE",
-           "available_strategies", "modelled_usp_bytes", "add_arguments", "check_shapes", "cmd_compare", "config_from_args", "format_table", "run_compare", "time_attention_calls",
-           "write_plot"]
+__all__ = ["CompareConfig", "CompareRow", "JSON_FIELDS", "TOLERANCE", "add_arguments", "cmd_compare",
+           "config_from_args", "format_table", "modelled_usp_bytes", "run_compare",
+           "time_attention_calls", "write_plot"]
