@@ -421,14 +421,15 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile)
 
 
 def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
-              usp_ulysses: int | None = None) -> Prediction:
+              usp_ulysses: int | None = None, external: bool = True) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
     the registry's order and the larger Ulysses degree. Never predicted slower than the
     baseline (``usp`` at its default degree). ``usp_ulysses``: the only Ulysses degree a
-    strategy on xFuser's existing groups may use (they are built already)."""
-    specs = {s.name: s for s in modelled()}
-    cands = [p for p in candidates(topology, workload, profile)
-             if not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses)]
+    strategy on xFuser's existing groups may use (they are built already). ``external=False``:
+    no strategy on groups built outside this package (no xFuser: diffusers' integration)."""
+    specs = {s.name: s for s in modelled() if external or not s.external_groups}
+    cands = [p for p in candidates(topology, workload, profile) if p.strategy in specs
+             and (not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses))]
     order = list(specs)
     baselines = [s for s in specs.values() if s.baseline]
     base = (predict(baselines[0].name, topology, workload, profile, usp_ulysses)

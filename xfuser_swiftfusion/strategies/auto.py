@@ -37,16 +37,18 @@ def hardware_profile_name(device: torch.device) -> str:
     return "cpu-emulated" if device.type == "cpu" else os.environ.get(HARDWARE_ENV, "p4de")
 
 
-def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None):
+def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
+           external: bool = True):
     """The model's pick for local queries ``q`` [B, H, S_local, D] (pure: same on every rank);
     text tokens are not modelled (they add the same replicated work to every strategy).
-    ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use."""
+    ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use;
+    ``external=False``: no strategy on xFuser's groups at all."""
     B, _, S, D = q.shape
     dtype = DTYPES.get(q.dtype, "fp32")
     w = Workload(B, S * topology.world_size, num_heads, D, dtype)
     profile = get_profile(hardware_profile_name(q.device), topology)
-    return (recommend(topology, w, profile, usp_ulysses), candidates(topology, w, profile),
-            profile.name)
+    return (recommend(topology, w, profile, usp_ulysses, external),
+            candidates(topology, w, profile), profile.name)
 
 
 class AutoAttention:
@@ -54,7 +56,8 @@ class AutoAttention:
     strategy the model picks per input signature. Children are built (collectively) at the
     first call that picks them, from the parent's ``BuildArgs`` with their own mesh, and are
     shared between signatures that pick the same (strategy, Ulysses degree).
-    ``args.options["usp_ulysses"]``: the Ulysses degree of xFuser's existing groups, if any."""
+    ``args.options``: ``usp_ulysses``, the Ulysses degree of xFuser's existing groups, if any;
+    ``external`` (default True), False to never pick a strategy on xFuser's groups."""
 
     def __init__(self, args: BuildArgs) -> None:
         self.args = args
@@ -82,7 +85,8 @@ class AutoAttention:
         child = self._by_signature.get(sig)
         if child is None:
             best, cands, profile = choose(self.topology, self.num_heads, q,
-                                          self.args.options.get("usp_ulysses"))
+                                          self.args.options.get("usp_ulysses"),
+                                          self.args.options.get("external", True))
             key = (best.strategy, best.ulysses)
             child = self._by_signature[sig] = self._child(*key)
             self.choices[sig] = key
