@@ -1,8 +1,11 @@
-"""The ``swiftfusion`` command: ``plan`` and ``check``.
+"""The ``swiftfusion`` command: ``plan``, ``check``, ``compare`` and ``compare-diffusers``.
 
 - ``swiftfusion plan``: mesh and inter-machine bytes of every strategy on a cluster shape.
 - ``swiftfusion check``: every strategy against single-device attention, on the current
   world (under torchrun) or on an emulated ``--emulate NxM`` cluster of CPU processes.
+- ``swiftfusion compare``: a model under every strategy through xFuser (``compare.py``).
+- ``swiftfusion compare-diffusers``: a diffusers pipeline under diffusers' own context
+  parallelism and under our strategies (``compare_diffusers.py``).
 """
 from __future__ import annotations
 
@@ -172,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(sub.add_parser(
         "compare", parents=[cluster],
         help="run a model under every strategy: latency, bytes, memory, error"))
+    cd = sub.add_parser(
+        "compare-diffusers", parents=[cluster],
+        help="a diffusers pipeline under diffusers' own context parallelism (ulysses, ring, "
+             "unified) and under our strategies through the diffusers integration")
+    add_compare_arguments(cd)
+    from .compare_diffusers import TEXT_TOKENS
+    cd.set_defaults(max_sequence_length=TEXT_TOKENS)
     return p
 
 
@@ -186,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "compare":
             from .compare import cmd_compare
             return cmd_compare(args)
+        if args.cmd == "compare-diffusers":
+            from .compare_diffusers import cmd_compare_diffusers
+            return cmd_compare_diffusers(args)
         return _cmd_check(args)
     except (TopologyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,328 @@
+"""``swiftfusion compare-diffusers``: a diffusers pipeline under diffusers' own context
+parallelism and under SwiftFusion strategies, side by side, one launch.
+
+Every rank loads the pipeline (no xFuser); rank 0 first runs it on one device (the
+reference). Then each configuration denoises the same prompt from the same seed, the
+configurations interleaved over ``repeats`` rounds:
+
+- ``diffusers:ulysses`` / ``diffusers:ring`` / ``diffusers:unified``: ``transformer.
+  enable_parallelism(config=ContextParallelConfig(ulysses_degree=U, ring_degree=R))`` over a
+  ``("ring", "ulysses")`` mesh of shape ``(R, U)`` in rank order (Ulysses groups: consecutive
+  ranks). Ulysses: ``U = W`` (needs ``heads % W == 0``); ring: ``R = W``; unified: ``U`` = GPUs
+  per machine, ``R`` = machines (needs ``1 < U < W`` and ``heads % U == 0``).
+- ``tas`` / ``torus`` / ``swiftfusion`` / ``auto``: ``integrations.diffusers.enable_parallelism``
+  (diffusers' sharding hooks, attention on the strategy).
+
+Columns as ``swiftfusion compare`` (``compare.CompareRow``); attention latency: one call of
+diffusers' ``dispatch_attention_fn`` (one attention layer, communication included). Inter-node
+bytes (attention only, both engines; the hooks' split/gather of the model's inputs and output
+is the same for both and not counted): ours from ``ctx.stats()["inter_node_bytes"]``,
+diffusers' from the volume model ``modelled_diffusers_bytes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import init_distributed_from_env
+from ..emulation.netns import link_from_args
+from ..topology import Topology, detect_topology
+from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError, CompareConfig,
+                      CompareRow, _aggregate, _device, _effective, _Measure, _mesh_label,
+                      _quiet_logs, _sync, config_from_args, format_table,
+                      write_plot)
+from .measure import PeakMemory
+
+DIFFUSERS_CONFIGS = ("ulysses", "ring", "unified")
+OURS = ("tas", "torus", "swiftfusion", "auto")
+PREFIX = "diffusers:"
+# diffusers' ring attention needs the log-sum-exp of every block; its default ``native``
+# backend has none, and every backend that has one runs on CUDA only
+RING_BACKEND = "_native_flash"
+TEXT_TOKENS = 16   # Flux's text is sharded with the image: a multiple of common world sizes
+
+
+def diffusers_degrees(config: str, topo: Topology, heads: int,
+                      cuda: bool | None = None) -> tuple[int, int] | None:
+    """``(ring, ulysses)`` degrees of diffusers' ``config`` on ``topo``, or None if invalid
+    (configs with a ring need ``cuda``, default: ``torch.cuda.is_available()``)."""
+    world, gpus = topo.world_size, topo.gpus_per_node
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if config in DIFFUSERS_CONFIGS[1:] and not cuda:
+        return None
+    if config == "ulysses":
+        return (1, world) if heads % world == 0 else None
+    if config == "ring":
+        return world, 1
+    if config == "unified":
+        ok = 1 < gpus < world and heads % gpus == 0
+        return (world // gpus, gpus) if ok else None
+    raise ValueError(f"unknown diffusers config {config!r}; choose from {DIFFUSERS_CONFIGS}")
+
+
+def _groups(rank: int, ring: int, ulysses: int) -> tuple[list[int], list[int]]:
+    """(Ulysses group, ring group) of ``rank`` in diffusers' ``(ring, ulysses)`` rank-order mesh."""
+    r, u = divmod(rank, ulysses)
+    return [r * ulysses + j for j in range(ulysses)], [i * ulysses + u for i in range(ring)]
+
+
+def diffusers_mesh_label(topo: Topology, ring: int, ulysses: int) -> str:
+    """The ``UxRxT`` label (``compare._mesh_label``) of diffusers' mesh: machines per Ulysses
+    group as torus, the rest of the Ulysses degree as intra-machine."""
+    machines = len({topo.node_of(p) for p in _groups(0, ring, ulysses)[0]})
+    return f"{ulysses // machines}x{ring}x{machines}"
+
+
+def modelled_diffusers_bytes(topo: Topology, ring: int, ulysses: int,
+                             shapes: list[tuple[int, int, int, int, int]], rank: int) -> int:
+    """Inter-machine bytes ``rank`` sends in diffusers' templated attention for the recorded
+    calls (query shapes ``(B, S_local, H, D, bytes per element)``).
+
+    Ulysses: all-to-all of Q, K, V and of the output over the Ulysses group, 1/U of each
+    tensor to every peer. Ring (``rotate_method="allgather"``): K and V (after the Ulysses
+    all-to-all: the same element count) all-gathered over the ring group, counted as one copy
+    to every peer. Only peers on another machine count.
+    """
+    ulysses_group, ring_group = _groups(rank, ring, ulysses)
+    node = topo.node_of(rank)
+    u_far = sum(topo.node_of(p) != node for p in ulysses_group)
+    r_far = sum(topo.node_of(p) != node for p in ring_group)
+    total = 0
+    for B, S, H, D, size in shapes:
+        n = B * S * H * D * size
+        total += 4 * u_far * n // ulysses + 2 * r_far * n
+    return total
+
+
+@contextlib.contextmanager
+def time_dispatch_calls() -> Iterator[AttentionCalls]:
+    """Time every call of diffusers' ``dispatch_attention_fn`` (shapes: ``[B, S, H, D]`` plus
+    bytes per element); wraps the name in every ``diffusers.*`` module that holds it."""
+    from diffusers.models import attention_dispatch
+    current = attention_dispatch.dispatch_attention_fn
+    calls = AttentionCalls()
+
+    def timed(query, *args, **kwargs):
+        _sync()
+        t0 = time.perf_counter()
+        out = current(query, *args, **kwargs)
+        _sync()
+        calls.durations.append(time.perf_counter() - t0)
+        calls.shapes.append((*query.shape, query.element_size()))
+        return out
+
+    holders = [m for n, m in list(sys.modules.items()) if n.startswith("diffusers.")
+               and m is not None and getattr(m, "dispatch_attention_fn", None) is current]
+    for m in holders:
+        m.dispatch_attention_fn = timed
+    try:
+        yield calls
+    finally:
+        for m in holders:
+            if getattr(m, "dispatch_attention_fn", None) is timed:
+                m.dispatch_attention_fn = current
+
+
+_meshes: dict[tuple[int, int], object] = {}
+
+
+@contextlib.contextmanager
+def diffusers_session(model: torch.nn.Module, ring: int, ulysses: int) -> Iterator[None]:
+    """diffusers' own context parallelism on ``model`` for the duration (mesh built once)."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..integrations.diffusers import sharding
+    if (ring, ulysses) not in _meshes:
+        _meshes[ring, ulysses] = init_device_mesh(torch._C._get_accelerator().type,
+                                                  (ring, ulysses),
+                                                  mesh_dim_names=("ring", "ulysses"))
+    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
+                                   mesh=_meshes[ring, ulysses])
+    if ring > 1:
+        model.set_attention_backend(RING_BACKEND)
+    try:
+        with sharding.accelerator_count_at_least_one():
+            model.enable_parallelism(config=config)
+        yield
+    finally:
+        sharding.remove_diffusers_cp(model)
+        if ring > 1:
+            model.reset_attention_backend()
+
+
+@contextlib.contextmanager
+def _session(model: torch.nn.Module, name: str, topo: Topology, heads: int,
+             cfg: CompareConfig) -> Iterator[tuple[object | None, tuple[int, int] | None]]:
+    """``name`` enabled on ``model``: yields (our context, None) or (None, diffusers' degrees)."""
+    from ..integrations import diffusers as sfd
+    if name.startswith(PREFIX):
+        degrees = diffusers_degrees(name.removeprefix(PREFIX), topo, heads)
+        with diffusers_session(model, *degrees):
+            yield None, degrees
+        return
+    ctx = sfd.enable_parallelism(model, strategy=name, topology=cfg.topology,
+                                 timeout_s=cfg.timeout_s)
+    try:
+        ctx.reset_stats()
+        yield ctx, None
+    finally:
+        sfd.disable_parallelism(model)
+
+
+def run_compare_diffusers(cfg: CompareConfig) -> list[CompareRow]:
+    """Collective over the default process group; every rank returns the same rows."""
+    import diffusers
+
+    from .models.parallel import generate_latents, load_pipeline
+    diffusers.utils.logging.set_verbosity_error()  # enable_parallelism warns on every call
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cfg.dtype]
+    topo = detect_topology(world, cfg.topology)
+    pipe = load_pipeline(cfg.path, cfg.kind, dtype, _device())
+    heads = pipe.transformer.config.num_attention_heads
+    gen_kwargs = dict(prompt=cfg.prompt, height=cfg.height, width=cfg.width,
+                      num_frames=cfg.num_frames, steps=cfg.steps, seed=cfg.seed,
+                      guidance_scale=cfg.guidance_scale,
+                      max_sequence_length=cfg.max_sequence_length)
+    reference = None
+    if cfg.reference and rank == 0:
+        reference = generate_latents(pipe, cfg.kind, **gen_kwargs).double()
+    dist.barrier()
+    measures = {s: _Measure() for s in cfg.strategies}
+    for _, name in [(r, s) for r in range(cfg.repeats) for s in cfg.strategies]:
+        m = measures[name]
+        stamps: list[float] = []
+
+        def on_step(_i: int) -> None:
+            _sync()
+            stamps.append(time.perf_counter())
+
+        with _session(pipe.transformer, name, topo, heads, cfg) as (ctx, degrees):
+            mem = PeakMemory().start()
+            with time_dispatch_calls() as attn:
+                latents = generate_latents(pipe, cfg.kind, on_step=on_step, **gen_kwargs)
+            m.peak = max(m.peak, mem.stop())
+            if ctx is None:
+                m.ran_as, m.mesh = name, diffusers_mesh_label(topo, *degrees)
+                sent = modelled_diffusers_bytes(topo, *degrees, attn.shapes, rank)
+            else:
+                sent = ctx.stats()["inter_node_bytes"]
+                m.ran_as, mesh = _effective(ctx)
+                m.mesh = _mesh_label(mesh)
+        m.steps += [b - a for a, b in zip(stamps, stamps[1:])]
+        m.attention += attn.durations
+        m.inter_bytes_per_step.append(sent / cfg.steps)
+        if reference is not None:
+            err = (latents.double() - reference).abs().max().item()
+            m.err = err if m.err is None else max(m.err, err)
+    return _aggregate(measures, dtype)
+
+
+def _rank(cfg: CompareConfig) -> list[dict]:
+    _quiet_logs(dist.get_rank())
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated",
+                            category=FutureWarning)  # diffusers' output gather, every call
+    return [asdict(r) for r in run_compare_diffusers(cfg)]
+
+
+def select(requested: str | None, topo: Topology, heads: int) -> tuple[list[str], list[str]]:
+    """(rows to run, diffusers configs skipped as invalid here). ``requested``: comma-separated
+    diffusers configs (``ulysses`` or ``diffusers:ulysses``) and our strategies; default all."""
+    if requested:
+        wanted = [s.strip().removeprefix(PREFIX) for s in requested.split(",") if s.strip()]
+    else:
+        wanted = [*DIFFUSERS_CONFIGS, *OURS]
+    bad = [s for s in wanted if s not in DIFFUSERS_CONFIGS + OURS]
+    if bad or not wanted:
+        raise CompareArgumentError(f"unknown configuration {', '.join(bad) or '(none given)'}; "
+                                   f"choose from {', '.join(DIFFUSERS_CONFIGS + OURS)}")
+    invalid = [s for s in wanted if s in DIFFUSERS_CONFIGS
+               and diffusers_degrees(s, topo, heads) is None]
+    if requested and invalid:
+        raise CompareArgumentError(f"diffusers' {', '.join(invalid)} cannot run with {heads} heads "
+                                   f"on {topo} here (ulysses: heads % ranks == 0; unified: "
+                                   "1 < GPUs per machine < ranks, heads % GPUs per machine == 0; "
+                                   "ring and unified: CUDA, diffusers' ring attention has no CPU "
+                                   "backend)")
+    rows = [PREFIX + s for s in DIFFUSERS_CONFIGS if s in wanted and s not in invalid]
+    return rows + [s for s in OURS if s in wanted], invalid
+
+
+def config_from_args_diffusers(args, topo: Topology) -> tuple[CompareConfig, list[str]]:
+    """Validate flags (model, sizes as ``compare``) and pick the rows; (config, skipped)."""
+    import json
+    from pathlib import Path
+    base = config_from_args(argparse_copy(args, strategies="tas"), topo.world_size)
+    if base.kind != "flux":
+        raise CompareArgumentError(f"compare-diffusers runs Flux checkpoints; {args.model} is "
+                                   f"{base.kind}")
+    if base.max_sequence_length % topo.world_size:
+        raise CompareArgumentError(
+            f"--max-sequence-length {base.max_sequence_length}: diffusers shards Flux's text "
+            f"with the image, so it must be a multiple of the {topo.world_size} ranks")
+    tcfg = json.loads((Path(base.path) / "transformer" / "config.json").read_text())
+    rows, skipped = select(args.strategies, topo, int(tcfg["num_attention_heads"]))
+    return dataclasses.replace(base, strategies=rows), skipped
+
+
+def argparse_copy(args, **changes):
+    """A copy of an ``argparse.Namespace`` with ``changes``."""
+    import argparse
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def cmd_compare_diffusers(args) -> int:
+    """``swiftfusion compare-diffusers``: returns the exit code (0: every row passed)."""
+    import json
+    os.environ.setdefault("LOG_LEVEL", "warning")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.emulate:
+        from ..emulation.launcher import run_emulated
+        topo = Topology.parse(args.emulate)
+        cfg, skipped = config_from_args_diffusers(args, topo)
+        import diffusers  # noqa: F401  (imported once in the parent: forked ranks inherit it)
+        timeout = 300.0 + 60.0 * cfg.repeats * len(cfg.strategies)
+        link = link_from_args(args)
+        rows = run_emulated(_rank, topo, cfg, timeout_s=timeout, link=link)[0]
+        where = f"emulated {topo} ({topo.world_size} ranks" + (
+            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
+    else:
+        try:
+            init_distributed_from_env()
+        except RuntimeError as exc:
+            raise CompareArgumentError(str(exc)) from None
+        topo = detect_topology(dist.get_world_size(), args.topology)
+        cfg, skipped = config_from_args_diffusers(args, topo)
+        rows = _rank(cfg)
+        where = f"{dist.get_world_size()} ranks"
+        if dist.get_rank() != 0:
+            return 0 if all(r["passed"] is not False for r in rows) else 1
+    table_rows = [CompareRow(**r) for r in rows]
+    print(format_table(table_rows, cfg, where + ", diffusers pipeline"))
+    if skipped:
+        print(f"skipped diffusers' {', '.join(skipped)}: invalid for this world size and head "
+              "count, or (ring, unified) without CUDA: diffusers' ring attention needs an "
+              "attention backend with log-sum-exp, all of which run on CUDA only")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**{k: r[k] for k in JSON_FIELDS},
+                        "engine": "diffusers" if r["strategy"].startswith(PREFIX)
+                        else "swiftfusion"} for r in rows], f, indent=2)
+    if args.plot:
+        write_plot(table_rows, args.plot, f"{cfg.model} (diffusers pipeline), {where}")
+    return 0 if all(r.passed is not False for r in table_rows) else 1
+
+
+__all__ = ["DIFFUSERS_CONFIGS", "OURS", "cmd_compare_diffusers", "config_from_args_diffusers",
+           "diffusers_degrees", "diffusers_mesh_label", "modelled_diffusers_bytes",
+           "run_compare_diffusers", "select", "time_dispatch_calls"]
