@@ -18,8 +18,21 @@ from xfuser_swiftfusion.integrations import diffusers as sfd  # the diffusers in
 Generate = Callable[[Any, argparse.Namespace, torch.device, int], tuple[Any, torch.Tensor]]
 
 
+def parse(p: argparse.ArgumentParser, cpu_defaults: dict, argv: list[str] | None
+          ) -> argparse.Namespace:
+    """Parse; the text flags every pipeline has; on CPU the tiny model's ``cpu_defaults``."""
+    p.add_argument("--guidance_scale", type=float, default=p.get_default("guidance_scale"))
+    p.add_argument("--max_sequence_length", type=int, default=512)
+    if not torch.cuda.is_available():
+        p.set_defaults(**cpu_defaults)
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.error("--model is required on GPUs")
+    return args
+
+
 def parser(description: str, model_help: str) -> argparse.ArgumentParser:
-    """The flags every example has; the example adds its pipeline's and parses."""
+    """The flags every example has; the example adds its pipeline's and calls ``parse``."""
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=None if cuda else "tiny", help=model_help)
@@ -33,6 +46,18 @@ def parser(description: str, model_help: str) -> argparse.ArgumentParser:
                    help="also run on one device first and report the difference")
     p.add_argument("--save", default=None, help="rank 0 writes the output here")
     return p
+
+
+def keep_final_latents() -> tuple[Callable, dict]:
+    """A ``callback_on_step_end`` that keeps the latents of the last step in ``holder["latents"]``
+    (pass ``callback_on_step_end_tensor_inputs=["latents"]``)."""
+    holder: dict = {}
+
+    def keep(_pipe, _step, _t, tensors):
+        holder["latents"] = tensors["latents"]
+        return tensors
+
+    return keep, holder
 
 
 def device() -> torch.device:

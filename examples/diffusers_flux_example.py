@@ -43,14 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--steps", type=int, default=28)
-    p.add_argument("--guidance_scale", type=float, default=3.5)
-    p.add_argument("--max_sequence_length", type=int, default=512)
-    if not torch.cuda.is_available():
-        p.set_defaults(**CPU_DEFAULTS)
-    args = p.parse_args(argv)
-    if args.model is None:
-        p.error("--model is required on GPUs")
-    return args
+    p.set_defaults(guidance_scale=3.5)
+    return common.parse(p, CPU_DEFAULTS, argv)
 
 
 def load(args: argparse.Namespace, device: torch.device):
@@ -71,12 +65,7 @@ def load(args: argparse.Namespace, device: torch.device):
 
 def generate(pipe, args: argparse.Namespace, device: torch.device, steps: int):
     """One generation; returns (output image or None, final packed latents [B, L, C])."""
-    last = {}
-
-    def keep_latents(_pipe, _step, _t, tensors):
-        last["latents"] = tensors["latents"]
-        return tensors
-
+    keep_latents, last = common.keep_final_latents()
     out = pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=steps,
                guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length,
                generator=torch.Generator(device).manual_seed(args.seed),

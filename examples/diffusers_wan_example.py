@@ -57,14 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--num_frames", type=int, default=81)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--guidance_scale", type=float, default=5.0)
-    p.add_argument("--max_sequence_length", type=int, default=512)
-    if not torch.cuda.is_available():
-        p.set_defaults(**CPU_DEFAULTS)
-    args = p.parse_args(argv)
-    if args.model is None:
-        p.error("--model is required on GPUs")
-    return args
+    p.set_defaults(guidance_scale=5.0)
+    return common.parse(p, CPU_DEFAULTS, argv)
 
 
 def tiny_pipeline(seed: int = 0):
@@ -101,12 +95,7 @@ def load(args: argparse.Namespace, device: torch.device):
 
 def generate(pipe, args: argparse.Namespace, device: torch.device, steps: int):
     """One generation; returns (frames or None, final latents [B, C, F, H, W])."""
-    last = {}
-
-    def keep_latents(_pipe, _step, _t, tensors):
-        last["latents"] = tensors["latents"]
-        return tensors
-
+    keep_latents, last = common.keep_final_latents()
     out = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height,
                width=args.width, num_frames=args.num_frames, num_inference_steps=steps,
                guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length,

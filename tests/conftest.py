@@ -1,10 +1,22 @@
 """Puts tests/ first on ``sys.path`` so that test modules import ``support`` (tests/support)
-under any pytest import mode; scripts/fuzz.py and scripts/soak.py import it the same way."""
+under any pytest import mode (scripts/fuzz.py and scripts/soak.py import it the same way), and
+shares fixtures."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 _TESTS = str(Path(__file__).resolve().parent)
 if sys.path[:1] != [_TESTS]:
     sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_cache(tmp_path_factory):
+    """Tiny checkpoints written to a fresh ``$SWIFTFUSION_CACHE`` for the module."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SWIFTFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()

@@ -15,12 +15,7 @@ FIELDS = {"strategy", "mesh", "step_latency_s", "attention_latency_s",
           "inter_node_bytes_per_gpu", "peak_memory_bytes", "max_abs_err", "passed"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SWIFTFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("tiny_checkpoint_cache")
 
 
 def test_compare_tiny_flux_json_and_plot(tmp_path, capsys):

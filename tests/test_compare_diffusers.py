@@ -15,12 +15,7 @@ from xfuser_swiftfusion.tools.compare_diffusers import (OURS, PREFIX, diffusers_
 from xfuser_swiftfusion.topology import Topology
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SWIFTFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("tiny_checkpoint_cache")
 
 
 def test_compare_diffusers_tiny_flux(tmp_path, capsys):

@@ -25,6 +25,7 @@ them by >1e-2 (tests/test_models.py); bf16 1.6e-2..3.1e-2 (Flux), i.e. one bf16 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import statistics
@@ -32,7 +33,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,17 +108,14 @@ class AttentionCalls:
 
 
 @contextlib.contextmanager
-def time_attention_calls() -> Iterator[AttentionCalls]:
-    """Time every call of xFuser's ``USP`` (as currently bound, e.g. to our strategy).
-
-    Wraps the ``USP`` global of every imported ``xfuser.*`` module that holds the current
-    binding (processors look it up there at call time) and restores it on exit.
-    """
-    from xfuser.model_executor.layers import usp as usp_module
-    current = usp_module.USP
+def time_calls(module, name: str, package: str) -> Iterator[AttentionCalls]:
+    """Time every call of ``module.<name>`` as currently bound (shapes of its first argument
+    plus bytes per element): wraps ``<name>`` in every imported ``<package>.*`` module that
+    holds that binding (callers look it up there at call time) and restores it on exit."""
+    current = getattr(module, name)
     calls = AttentionCalls()
 
-    def timed_usp(query, *args, **kwargs):
+    def timed(query, *args, **kwargs):
         _sync()
         t0 = time.perf_counter()
         out = current(query, *args, **kwargs)
@@ -127,15 +125,22 @@ def time_attention_calls() -> Iterator[AttentionCalls]:
         return out
 
     holders = [m for n, m in list(sys.modules.items())
-               if n.startswith("xfuser.") and m is not None and getattr(m, "USP", None) is current]
+               if n.startswith(package + ".") and m is not None and getattr(m, name, None) is current]
     for m in holders:
-        m.USP = timed_usp
+        setattr(m, name, timed)
     try:
         yield calls
     finally:
         for m in holders:
-            if getattr(m, "USP", None) is timed_usp:
-                m.USP = current
+            if getattr(m, name, None) is timed:
+                setattr(m, name, current)
+
+
+def time_attention_calls() -> contextlib.AbstractContextManager[AttentionCalls]:
+    """Time every call of xFuser's ``USP`` (as currently bound, e.g. to our strategy);
+    shapes ``[B, H, S_local, D]``."""
+    from xfuser.model_executor.layers import usp as usp_module
+    return time_calls(usp_module, "USP", "xfuser")
 
 
 def modelled_usp_bytes(mesh, shapes: list[tuple[int, ...]], rank: int) -> int:
@@ -192,21 +197,28 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def run_compare(cfg: CompareConfig) -> list[CompareRow]:
-    """Collective over the default process group; every rank returns the same rows."""
-    from .models.parallel import PARALLELIZE, generate_latents, load_pipeline, strategy_session
-    rank = dist.get_rank()
-    dtype = DTYPES[cfg.dtype]
-    pipe = load_pipeline(cfg.path, cfg.kind, dtype, _device())
-    heads = pipe.transformer.config.num_attention_heads
+def load_with_reference(cfg: CompareConfig) -> tuple[object, int, dict, torch.Tensor | None]:
+    """Collective: every rank loads the pipeline; rank 0 runs it on one device (the reference
+    latents, fp64). Returns (pipe, heads, generation kwargs, reference or None)."""
+    from .models.parallel import generate_latents, load_pipeline
+    pipe = load_pipeline(cfg.path, cfg.kind, DTYPES[cfg.dtype], _device())
     gen_kwargs = dict(prompt=cfg.prompt, height=cfg.height, width=cfg.width,
                       num_frames=cfg.num_frames, steps=cfg.steps, seed=cfg.seed,
                       guidance_scale=cfg.guidance_scale,
                       max_sequence_length=cfg.max_sequence_length)
     reference = None
-    if cfg.reference and rank == 0:
+    if cfg.reference and dist.get_rank() == 0:
         reference = generate_latents(pipe, cfg.kind, **gen_kwargs).double()
     dist.barrier()
+    return pipe, pipe.transformer.config.num_attention_heads, gen_kwargs, reference
+
+
+def run_compare(cfg: CompareConfig) -> list[CompareRow]:
+    """Collective over the default process group; every rank returns the same rows."""
+    from .models.parallel import PARALLELIZE, generate_latents, strategy_session
+    rank = dist.get_rank()
+    dtype = DTYPES[cfg.dtype]
+    pipe, heads, gen_kwargs, reference = load_with_reference(cfg)
     PARALLELIZE[cfg.kind](pipe)
     measures = {s: _Measure() for s in cfg.strategies}
     rounds = [(r, s) for r in range(cfg.repeats) for s in cfg.strategies]
@@ -389,6 +401,32 @@ def _compare_rank(cfg: CompareConfig) -> list[dict]:
     return [asdict(r) for r in run_compare(cfg)]
 
 
+def run_on_ranks(args, make_config: Callable, rank_fn: Callable, preload: tuple[str, ...] = ()
+                 ) -> tuple[list[dict], object, str | None]:
+    """``rank_fn(cfg)`` on every rank: forked emulated ranks (``--emulate NxM``, optionally
+    over throttled links) or this torchrun rank; ``make_config(topology)`` validates the flags
+    first. Returns (rows, cfg, where the run was); ``where`` is None on torchrun ranks but 0."""
+    from ..emulation.launcher import run_emulated
+    from ..topology import Topology, detect_topology
+    if args.emulate:
+        topo = Topology.parse(args.emulate)
+        cfg = make_config(topo)
+        for module in ("diffusers", *preload):  # once in the parent: forked ranks inherit them
+            importlib.import_module(module)
+        link = link_from_args(args)
+        rows = run_emulated(rank_fn, topo, cfg, timeout_s=300.0 + 60.0 * cfg.repeats *
+                            len(cfg.strategies), link=link)[0]
+        return rows, cfg, f"emulated {topo} ({topo.world_size} ranks" + (
+            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
+    try:
+        init_distributed_from_env()
+    except RuntimeError as exc:
+        raise CompareArgumentError(str(exc)) from None
+    cfg = make_config(detect_topology(dist.get_world_size(), args.topology))
+    rows = rank_fn(cfg)
+    return rows, cfg, f"{dist.get_world_size()} ranks" if dist.get_rank() == 0 else None
+
+
 def cmd_compare(args) -> int:
     """``swiftfusion compare``: returns the exit code (0: every strategy passed)."""
     import json
@@ -396,29 +434,10 @@ def cmd_compare(args) -> int:
     # table is the output here. An explicit LOG_LEVEL wins.
     os.environ.setdefault("LOG_LEVEL", "warning")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its torchvision notices
-    from ..emulation.launcher import run_emulated
-    from ..topology import Topology
-    if args.emulate:
-        topo = Topology.parse(args.emulate)
-        cfg = config_from_args(args, topo.world_size)
-        # import the heavy libraries once in the parent: forked ranks inherit them
-        import diffusers  # noqa: F401
-        import xfuser.model_executor.layers.usp  # noqa: F401
-        timeout = 300.0 + 60.0 * cfg.repeats * len(cfg.strategies)
-        link = link_from_args(args)
-        rows = run_emulated(_compare_rank, topo, cfg, timeout_s=timeout, link=link)[0]
-        where = f"emulated {topo} ({topo.world_size} ranks" + (
-            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
-    else:
-        try:
-            init_distributed_from_env()
-        except RuntimeError as exc:
-            raise CompareArgumentError(str(exc)) from None
-        cfg = config_from_args(args, dist.get_world_size())
-        rows = _compare_rank(cfg)
-        where = f"{dist.get_world_size()} ranks"
-        if dist.get_rank() != 0:
-            return 0 if all(r["passed"] is not False for r in rows) else 1
+    rows, cfg, where = run_on_ranks(args, lambda topo: config_from_args(args, topo.world_size),
+                                    _compare_rank, preload=("xfuser.model_executor.layers.usp",))
+    if where is None:  # not the reporting rank
+        return 0 if all(r["passed"] is not False for r in rows) else 1
     table_rows = [CompareRow(**r) for r in rows]
     print(format_table(table_rows, cfg, where))
     if args.json:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 import warnings
 from dataclasses import asdict
@@ -33,12 +32,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..distributed import init_distributed_from_env
-from ..emulation.netns import link_from_args
 from ..topology import Topology, detect_topology
 from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError, CompareConfig,
-                      CompareRow, _aggregate, _device, _effective, _Measure, _mesh_label,
-                      _quiet_logs, _sync, config_from_args, format_table,
+                      CompareRow, _aggregate, _effective, _Measure, _mesh_label,
+                      _quiet_logs, _sync, config_from_args, format_table, load_with_reference,
+                      run_on_ranks, time_calls,
                       write_plot)
 from .measure import PeakMemory
 
@@ -103,33 +101,10 @@ def modelled_diffusers_bytes(topo: Topology, ring: int, ulysses: int,
     return total
 
 
-@contextlib.contextmanager
-def time_dispatch_calls() -> Iterator[AttentionCalls]:
-    """Time every call of diffusers' ``dispatch_attention_fn`` (shapes: ``[B, S, H, D]`` plus
-    bytes per element); wraps the name in every ``diffusers.*`` module that holds it."""
+def time_dispatch_calls() -> contextlib.AbstractContextManager[AttentionCalls]:
+    """Time every call of diffusers' ``dispatch_attention_fn`` (shapes ``[B, S, H, D]``)."""
     from diffusers.models import attention_dispatch
-    current = attention_dispatch.dispatch_attention_fn
-    calls = AttentionCalls()
-
-    def timed(query, *args, **kwargs):
-        _sync()
-        t0 = time.perf_counter()
-        out = current(query, *args, **kwargs)
-        _sync()
-        calls.durations.append(time.perf_counter() - t0)
-        calls.shapes.append((*query.shape, query.element_size()))
-        return out
-
-    holders = [m for n, m in list(sys.modules.items()) if n.startswith("diffusers.")
-               and m is not None and getattr(m, "dispatch_attention_fn", None) is current]
-    for m in holders:
-        m.dispatch_attention_fn = timed
-    try:
-        yield calls
-    finally:
-        for m in holders:
-            if getattr(m, "dispatch_attention_fn", None) is timed:
-                m.dispatch_attention_fn = current
+    return time_calls(attention_dispatch, "dispatch_attention_fn", "diffusers")
 
 
 _meshes: dict[tuple[int, int], object] = {}
@@ -183,21 +158,12 @@ def run_compare_diffusers(cfg: CompareConfig) -> list[CompareRow]:
     """Collective over the default process group; every rank returns the same rows."""
     import diffusers
 
-    from .models.parallel import generate_latents, load_pipeline
+    from .models.parallel import generate_latents
     diffusers.utils.logging.set_verbosity_error()  # enable_parallelism warns on every call
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[cfg.dtype]
     topo = detect_topology(world, cfg.topology)
-    pipe = load_pipeline(cfg.path, cfg.kind, dtype, _device())
-    heads = pipe.transformer.config.num_attention_heads
-    gen_kwargs = dict(prompt=cfg.prompt, height=cfg.height, width=cfg.width,
-                      num_frames=cfg.num_frames, steps=cfg.steps, seed=cfg.seed,
-                      guidance_scale=cfg.guidance_scale,
-                      max_sequence_length=cfg.max_sequence_length)
-    reference = None
-    if cfg.reference and rank == 0:
-        reference = generate_latents(pipe, cfg.kind, **gen_kwargs).double()
-    dist.barrier()
+    pipe, heads, gen_kwargs, reference = load_with_reference(cfg)
     measures = {s: _Measure() for s in cfg.strategies}
     for _, name in [(r, s) for r in range(cfg.repeats) for s in cfg.strategies]:
         m = measures[name]
@@ -286,27 +252,16 @@ def cmd_compare_diffusers(args) -> int:
     import json
     os.environ.setdefault("LOG_LEVEL", "warning")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if args.emulate:
-        from ..emulation.launcher import run_emulated
-        topo = Topology.parse(args.emulate)
-        cfg, skipped = config_from_args_diffusers(args, topo)
-        import diffusers  # noqa: F401  (imported once in the parent: forked ranks inherit it)
-        timeout = 300.0 + 60.0 * cfg.repeats * len(cfg.strategies)
-        link = link_from_args(args)
-        rows = run_emulated(_rank, topo, cfg, timeout_s=timeout, link=link)[0]
-        where = f"emulated {topo} ({topo.world_size} ranks" + (
-            f", {link.rate_mbit:g} Mbit/s links)" if link else ")")
-    else:
-        try:
-            init_distributed_from_env()
-        except RuntimeError as exc:
-            raise CompareArgumentError(str(exc)) from None
-        topo = detect_topology(dist.get_world_size(), args.topology)
-        cfg, skipped = config_from_args_diffusers(args, topo)
-        rows = _rank(cfg)
-        where = f"{dist.get_world_size()} ranks"
-        if dist.get_rank() != 0:
-            return 0 if all(r["passed"] is not False for r in rows) else 1
+    skipped: list[str] = []
+
+    def make_config(topo):
+        cfg, names = config_from_args_diffusers(args, topo)
+        skipped.extend(names)
+        return cfg
+
+    rows, cfg, where = run_on_ranks(args, make_config, _rank)
+    if where is None:  # not the reporting rank
+        return 0 if all(r["passed"] is not False for r in rows) else 1
     table_rows = [CompareRow(**r) for r in rows]
     print(format_table(table_rows, cfg, where + ", diffusers pipeline"))
     if skipped:
