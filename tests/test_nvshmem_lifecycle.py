@@ -420,11 +420,20 @@ def test_transfers_of_a_queue_are_spread_over_streams_and_barriers_wait_for_them
     assert ("wait_event", (0,)) == (calls[-1][0], calls[-1][1][:1])  # the caller waits, host not
     assert env.main_queries == 0
 
+    # a sync follows only the transfers waited for since (no quiet, not the compute stream)
+    waited = comm.get(buf[4], buf[0], 1, queue="ring", what="pull")
+    comm.get(buf[5], buf[1], 1, queue="ring", what="still in flight")
+    waited.wait()
     start = len(env.calls)
     comm.sync((0, 1), what="ring-group sync")
     calls = env.calls[start:]
     (ss,) = {a[1] for name, a in calls if name == "team_sync_on_stream"}
-    assert {a[1] for name, a in calls if name == "wait_stream" and a[0] == ss} == {0}  # no quiet
+    assert not [a for name, a in calls if name == "wait_stream" and a[0] == ss]
+    assert [a[1] for name, a in calls if name == "wait_event" and a[0] == ss] == [waited._event]
+    start = len(env.calls)
+    comm.sync((0, 1), what="next sync")  # nothing waited for since: orders nothing
+    assert not [a for name, a in env.calls[start:] if name in ("wait_stream", "wait_event")
+                and a[0] == ss]
     comm.close()
 
 

@@ -359,6 +359,7 @@ class _EventHandle(Handle):
         watchdog bounds it)."""
         self._comm._check()
         self._comm._current_stream().wait_event(self._event)
+        self._comm._waited.append(self._event)  # what the next sync orders
 
 
 def _record_stream(t: torch.Tensor, stream: Any) -> None:
@@ -400,6 +401,7 @@ class NvshmemCommunicator(OneSided):
                                for _ in range(STREAMS_PER_QUEUE)] for q in QUEUES}
             self._turn = dict.fromkeys(QUEUES, 0)
             self._used: dict[int, Any] = {}  # pool streams used since the last barrier, by id
+            self._waited: list[Any] = []  # events of transfers waited for since the last sync
             self._barrier_stream = torch.cuda.Stream(device=self.device)
             self._failure: BaseException | None = None
             self._failure_seen = False  # raised to the caller at least once
@@ -494,8 +496,10 @@ class NvshmemCommunicator(OneSided):
     # -- barriers ----------------------------------------------------------------------------------
 
     def _barrier(self, issue: Callable[[int], Any], doing: str, what: str, quiet: bool = True) -> None:
-        """``issue(stream)`` on the barrier stream after the current stream (and, to quiet, every
-        pool stream used since the previous barrier); the current stream then waits for it."""
+        """``issue(stream)`` on the barrier stream; the current stream then waits for it. A
+        barrier (``quiet``) follows the current stream and every pool stream used since the
+        previous one; a sync follows only the transfers the caller waited for since the last
+        sync or barrier (what it orders), not the compute queued on the current stream."""
         self._check()
         self.counter.barriers += 1
         stream, caller = self._barrier_stream, self._current_stream()
@@ -503,7 +507,11 @@ class NvshmemCommunicator(OneSided):
             for s in self._used.values():
                 stream.wait_stream(s)
             self._used.clear()
-        stream.wait_stream(caller)
+            stream.wait_stream(caller)
+        else:
+            for event in self._waited:
+                stream.wait_event(event)
+        self._waited.clear()
         with torch.cuda.stream(stream):
             status = issue(stream.cuda_stream)
             event = torch.cuda.Event()
@@ -544,7 +552,8 @@ class NvshmemCommunicator(OneSided):
                       f"barrier over ranks {ranks}", what)
 
     def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
-        """Team sync after the current stream only: gets still queued stay in flight."""
+        """Team sync after the transfers waited for since the last sync: gets still queued stay
+        in flight, compute queued on the current stream is not waited for."""
         team = self._team(ranks)
         self._barrier(lambda s: self._bindings.team_sync_on_stream(team, s),
                       f"sync over ranks {ranks}", what, quiet=False)
