@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -79,6 +80,12 @@ class SequenceParallelContext:
     failed: bool = False  # a call raised: peers may be mid-layer, so close skips the final barrier
     _checked: set = field(repr=False, default_factory=set)
     _attends: int = field(repr=False, default_factory=lambda: attend_calls())
+    _fallback_lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
+
+    def record_fallback(self, reason: str) -> None:
+        """An integration handed one call elsewhere for ``reason`` (thread-safe count)."""
+        with self._fallback_lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     @property
     def _comms(self) -> list:

@@ -190,6 +190,17 @@ class _Measure:
     peak: int = 0
     err: float | None = None
 
+    def add_round(self, stamps: list[float], attention: list[float], sent_bytes: float,
+                  steps: int, latents: torch.Tensor, reference: torch.Tensor | None) -> None:
+        """One round: step times from the per-step stamps, attention call times, bytes per
+        step, and the error of the final latents against the reference (max over rounds)."""
+        self.steps += [b - a for a, b in zip(stamps, stamps[1:])]
+        self.attention += attention
+        self.inter_bytes_per_step.append(sent_bytes / steps)
+        if reference is not None:
+            err = (latents.double() - reference).abs().max().item()
+            self.err = err if self.err is None else max(self.err, err)
+
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
@@ -244,18 +255,13 @@ def run_compare(cfg: CompareConfig) -> list[CompareRow]:
             with time_attention_calls() as attn:
                 latents = generate_latents(pipe, cfg.kind, on_step=on_step, **gen_kwargs)
             m.peak = max(m.peak, mem.stop())
-            m.steps += [b - a for a, b in zip(stamps, stamps[1:])]
-            m.attention += attn.durations
             m.ran_as, mesh = _effective(ctx)
             m.mesh = _mesh_label(mesh)
             ran = get(m.ran_as.split(":")[-1])
             # xFuser's own collectives bypass our byte counters: count them with the model
             sent = (modelled_usp_bytes(mesh, attn.shapes, rank) if ran.external_groups
                     else ctx.stats()["inter_node_bytes"])
-            m.inter_bytes_per_step.append(sent / cfg.steps)
-        if reference is not None:
-            err = (latents.double() - reference).abs().max().item()
-            m.err = err if m.err is None else max(m.err, err)
+        m.add_round(stamps, attn.durations, sent, cfg.steps, latents, reference)
     if progress is not None:
         progress.close()
     return _aggregate(measures, dtype)

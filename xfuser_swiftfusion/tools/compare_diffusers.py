@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..mesh import Mesh
 from ..topology import Topology, detect_topology
 from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError, CompareConfig,
                       CompareRow, _aggregate, _effective, _Measure, _mesh_label,
@@ -67,17 +68,14 @@ def diffusers_degrees(config: str, topo: Topology, heads: int,
     raise ValueError(f"unknown diffusers config {config!r}; choose from {DIFFUSERS_CONFIGS}")
 
 
-def _groups(rank: int, ring: int, ulysses: int) -> tuple[list[int], list[int]]:
-    """(Ulysses group, ring group) of ``rank`` in diffusers' ``(ring, ulysses)`` rank-order mesh."""
-    r, u = divmod(rank, ulysses)
-    return [r * ulysses + j for j in range(ulysses)], [i * ulysses + u for i in range(ring)]
+def diffusers_mesh(topo: Topology, ring: int, ulysses: int) -> Mesh:
+    """diffusers' ``(ring, ulysses)`` rank-order mesh: Ulysses on adjacent ranks, USP's placement."""
+    return Mesh(topo, ulysses, ring, "usp")
 
 
 def diffusers_mesh_label(topo: Topology, ring: int, ulysses: int) -> str:
-    """The ``UxRxT`` label (``compare._mesh_label``) of diffusers' mesh: machines per Ulysses
-    group as torus, the rest of the Ulysses degree as intra-machine."""
-    machines = len({topo.node_of(p) for p in _groups(0, ring, ulysses)[0]})
-    return f"{ulysses // machines}x{ring}x{machines}"
+    """The ``UxRxT`` label (``compare._mesh_label``) of diffusers' mesh."""
+    return _mesh_label(diffusers_mesh(topo, ring, ulysses))
 
 
 def modelled_diffusers_bytes(topo: Topology, ring: int, ulysses: int,
@@ -90,7 +88,9 @@ def modelled_diffusers_bytes(topo: Topology, ring: int, ulysses: int,
     all-to-all: the same element count) all-gathered over the ring group, counted as one copy
     to every peer. Only peers on another machine count.
     """
-    ulysses_group, ring_group = _groups(rank, ring, ulysses)
+    mesh = diffusers_mesh(topo, ring, ulysses)
+    g, r = mesh.g_r_of(rank)
+    ulysses_group, ring_group = mesh.ulysses_groups[r], mesh.ring_groups[g]
     node = topo.node_of(rank)
     u_far = sum(topo.node_of(p) != node for p in ulysses_group)
     r_far = sum(topo.node_of(p) != node for p in ring_group)
@@ -185,12 +185,7 @@ def run_compare_diffusers(cfg: CompareConfig) -> list[CompareRow]:
                 sent = ctx.stats()["inter_node_bytes"]
                 m.ran_as, mesh = _effective(ctx)
                 m.mesh = _mesh_label(mesh)
-        m.steps += [b - a for a, b in zip(stamps, stamps[1:])]
-        m.attention += attn.durations
-        m.inter_bytes_per_step.append(sent / cfg.steps)
-        if reference is not None:
-            err = (latents.double() - reference).abs().max().item()
-            m.err = err if m.err is None else max(m.err, err)
+        m.add_round(stamps, attn.durations, sent, cfg.steps, latents, reference)
     return _aggregate(measures, dtype)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -49,15 +49,13 @@ class Route:
     ctx: SequenceParallelContext
     world_size: int
     model_name: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count_fallback(self, reason: str) -> None:
         log_once(logger, f"diffusers-fallback-{self.ctx.strategy}-{reason}",
                  f"{self.model_name}: an attention call has {reason}, which {self.ctx.strategy} "
                  "does not implement; it runs diffusers' attention on all-gathered keys/values "
                  "(counted in ctx.stats()['fallbacks'])")
-        with self.lock:
-            self.ctx.fallbacks[reason] = self.ctx.fallbacks.get(reason, 0) + 1
+        self.ctx.record_fallback(reason)
 
 
 def fallback_reason(kwargs: dict[str, Any], num_heads: int) -> str | None:

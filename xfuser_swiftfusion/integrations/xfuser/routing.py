@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextvars
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
 from ...context import SequenceParallelContext, init_sequence_parallel
+from ...groups import build_groups
 from ...log import get_logger, log_once
 from ...mesh import Mesh, choose_mesh
 from ...strategies.registry import get as get_spec
@@ -103,7 +104,6 @@ class _Route:
     ctx: SequenceParallelContext
     original: object          # xFuser's USP
     owns_state: bool          # we built xFuser's parallel state (restore tears it down)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _route: _Route | None = None
@@ -165,8 +165,7 @@ def routed_usp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      f"{ctx.strategy}: this attention call uses {reason}, which the strategy does "
                      "not implement; running xFuser's own USP for such calls (counted in "
                      "ctx.stats()['fallbacks'])")
-            with route.lock:
-                ctx.fallbacks[reason] = ctx.fallbacks.get(reason, 0) + 1
+            ctx.record_fallback(reason)
         else:
             ctx.calls += 1
         return route.original(query, key, value, dropout_p, is_causal, joint_query, joint_key,
@@ -178,7 +177,7 @@ def routed_usp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _ensure_xfuser_state(strategy: str, mesh: Mesh) -> bool:
     """Build xFuser's groups for ``mesh`` (True) or check the existing ones agree (False)."""
-    groups = state.sp_groups(mesh.ulysses, mesh.ring, mesh.placement)
+    groups = build_groups(mesh)
     if not state.xfuser_parallel_initialized():
         state.init_xfuser_parallel(mesh.ulysses, mesh.ring, mesh.placement, groups)
         return True
