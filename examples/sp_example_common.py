@@ -110,5 +110,5 @@ def launch(kind: str, run_rank: Callable[[argparse.Namespace], None],
         return
     topology = Topology.parse(args.emulate or "1x1")
     _, path = resolve_model(args.model, kind)  # builds the tiny checkpoint once, before forking
-    check_shapes(kind, path, args.height, args.width, topology.world_size)
+    check_shapes(kind, path, args.height, args.width, topology.world_size, args.num_frames)
     run_emulated(run_rank, topology, args, timeout_s=1800.0)

@@ -161,6 +161,175 @@ edit("xfuser/model_executor/models/transformers/transformer_flux.py",
             get_runtime_state().split_text_embed_in_sp = False
             get_runtime_state().max_condition_sequence_length = encoder_hidden_states.shape[-2]'''))
 
+# 4b. FLUX.2 runner wrapper: text not divisible by SP was torch.chunk-ed unevenly (ranks
+#     disagree on the sequence length); image padding was attended to.
+edit("xfuser/model_executor/models/transformers/transformer_flux2.py",
+     ("""        else:
+            hidden_states = USP(query, key, value, attn_layer=attn)
+""", """        elif get_runtime_state().split_text_embed_in_sp or num_encoder_tokens == 0:
+            hidden_states = USP(query, key, value, attn_layer=attn)
+        else:
+            # Text is replicated on every rank (its length is not divisible by the SP
+            # degree): attend to it once, as joint tokens in front of the image tokens.
+            text = num_encoder_tokens
+            hidden_states = USP(
+                query[:, :, text:],
+                key[:, :, text:],
+                value[:, :, text:],
+                joint_query=query[:, :, :text],
+                joint_key=key[:, :, :text],
+                joint_value=value[:, :, :text],
+                joint_strategy="front",
+                attn_layer=attn,
+            )
+"""),
+     ("""        else:
+            hidden_states = USP(
+                query, key, value, combine_qkv_a2a=True, attn_layer=attn
+            )
+""", """        elif get_runtime_state().split_text_embed_in_sp:
+            hidden_states = USP(
+                query, key, value, combine_qkv_a2a=True, attn_layer=attn
+            )
+        else:
+            # Text is replicated on every rank (its length is not divisible by the SP
+            # degree): attend to it once, as joint tokens in front of the image tokens.
+            text = get_runtime_state().max_condition_sequence_length
+            hidden_states = USP(
+                query[:, :, text:],
+                key[:, :, text:],
+                value[:, :, text:],
+                joint_query=query[:, :, :text],
+                joint_key=key[:, :, :text],
+                joint_value=value[:, :, :text],
+                joint_strategy="front",
+                attn_layer=attn,
+            )
+"""),
+     ("""        if padding_length > 0:
+            hidden_states = self._pad_to_sp_divisible(
+                hidden_states, padding_length, dim=1
+            )
+            img_ids = self._pad_to_sp_divisible(img_ids, padding_length, dim=1)
+""", """        if padding_length > 0:
+            # Zero padding would be attended to by every query (there is no key mask here).
+            raise ValueError(
+                f"{sequence_length} image tokens are not divisible by the sequence parallel "
+                f"degree {sp_world_size}; choose height and width so that "
+                f"(height/16)*(width/16) is a multiple of {sp_world_size}"
+            )
+        # Text not divisible by the SP degree is replicated on every rank (torch.chunk
+        # would split it unevenly); the attention processors pass it to USP as joint tokens.
+        split_text = encoder_hidden_states.shape[-2] % sp_world_size == 0
+        get_runtime_state().split_text_embed_in_sp = split_text
+        get_runtime_state().max_condition_sequence_length = encoder_hidden_states.shape[-2]
+"""),
+     ("""        encoder_hidden_states = torch.chunk(
+            encoder_hidden_states, get_sequence_parallel_world_size(), dim=-2
+        )[get_sequence_parallel_rank()]
+        img_ids = torch.chunk(img_ids, get_sequence_parallel_world_size(), dim=-2)[
+            get_sequence_parallel_rank()
+        ]
+        txt_ids = torch.chunk(txt_ids, get_sequence_parallel_world_size(), dim=-2)[
+            get_sequence_parallel_rank()
+        ]
+""", """        if split_text:
+            encoder_hidden_states = torch.chunk(
+                encoder_hidden_states, get_sequence_parallel_world_size(), dim=-2
+            )[get_sequence_parallel_rank()]
+        img_ids = torch.chunk(img_ids, get_sequence_parallel_world_size(), dim=-2)[
+            get_sequence_parallel_rank()
+        ]
+        if split_text:
+            txt_ids = torch.chunk(txt_ids, get_sequence_parallel_world_size(), dim=-2)[
+                get_sequence_parallel_rank()
+            ]
+"""))
+
+# 4c. Qwen-Image runner wrapper: text not divisible by SP was zero-padded into the keys
+#     (attended to); image padding likewise; text masks are ignored by the processor.
+edit("xfuser/model_executor/models/transformers/transformer_qwen.py",
+     ("""from xfuser.core.distributed import (
+    get_sequence_parallel_rank,""", """from xfuser.core.distributed import (
+    get_runtime_state,
+    get_sequence_parallel_rank,"""),
+     ("""        joint_hidden_states = USP(
+            joint_query.transpose(1, 2),
+            joint_key.transpose(1, 2),
+            joint_value.transpose(1, 2),
+            dropout_p=0.0,
+            is_causal=False,
+            attn_layer=attn,
+        ).transpose(1, 2)
+""", """        if get_runtime_state().split_text_embed_in_sp:
+            joint_hidden_states = USP(
+                joint_query.transpose(1, 2),
+                joint_key.transpose(1, 2),
+                joint_value.transpose(1, 2),
+                dropout_p=0.0,
+                is_causal=False,
+                attn_layer=attn,
+            ).transpose(1, 2)
+        else:
+            # Text is replicated on every rank (its length is not divisible by the SP
+            # degree): attend to it once, as joint tokens in front of the image tokens.
+            joint_hidden_states = USP(
+                img_query.transpose(1, 2),
+                img_key.transpose(1, 2),
+                img_value.transpose(1, 2),
+                dropout_p=0.0,
+                is_causal=False,
+                joint_query=txt_query.transpose(1, 2),
+                joint_key=txt_key.transpose(1, 2),
+                joint_value=txt_value.transpose(1, 2),
+                joint_strategy="front",
+                attn_layer=attn,
+            ).transpose(1, 2)
+"""),
+     ("""        text_seq_len, _, encoder_hidden_states_mask = compute_text_seq_len_from_mask(
+            encoder_hidden_states, encoder_hidden_states_mask
+        )
+""", """        text_seq_len, _, encoder_hidden_states_mask = compute_text_seq_len_from_mask(
+            encoder_hidden_states, encoder_hidden_states_mask
+        )
+        if encoder_hidden_states_mask is not None and not bool(encoder_hidden_states_mask.all()):
+            # xFuserQwenDoubleStreamAttnProcessor passes no mask to USP.
+            raise ValueError(
+                "the text mask pads some prompts, and the sequence-parallel attention ignores "
+                "masks; use one prompt per batch or prompts of the same token length"
+            )
+"""),
+     ("""        pad_amount = (sp_world_size - (hidden_states.shape[1] % sp_world_size)) % sp_world_size
+        encoder_pad_amount = (sp_world_size - (encoder_hidden_states.shape[1] % sp_world_size)) % sp_world_size
+        hidden_states = chunk_and_pad_sequence(hidden_states, sp_world_rank, sp_world_size, pad_amount, dim=1)
+        encoder_hidden_states = chunk_and_pad_sequence(encoder_hidden_states, sp_world_rank, sp_world_size, encoder_pad_amount, dim=1)
+
+        image_rotary_emb = [
+            chunk_and_pad_sequence(image_rotary_emb[0], sp_world_rank, sp_world_size, pad_amount, dim=0),
+            chunk_and_pad_sequence(image_rotary_emb[1], sp_world_rank, sp_world_size, encoder_pad_amount, dim=0),
+        ]
+""", """        # Zero padding would be attended to by every query (USP gets no key mask).
+        if hidden_states.shape[1] % sp_world_size:
+            raise ValueError(
+                f"{hidden_states.shape[1]} image tokens are not divisible by the sequence "
+                f"parallel degree {sp_world_size}; choose height and width so that "
+                f"(height/16)*(width/16) is a multiple of {sp_world_size}"
+            )
+        pad_amount = 0
+        # Text not divisible by the SP degree is replicated on every rank; the attention
+        # processor passes it to USP as joint tokens.
+        split_text = encoder_hidden_states.shape[1] % sp_world_size == 0
+        get_runtime_state().split_text_embed_in_sp = split_text
+        hidden_states = chunk_and_pad_sequence(hidden_states, sp_world_rank, sp_world_size, pad_amount, dim=1)
+        image_rotary_emb = [
+            chunk_and_pad_sequence(image_rotary_emb[0], sp_world_rank, sp_world_size, pad_amount, dim=0),
+            image_rotary_emb[1],
+        ]
+        if split_text:
+            encoder_hidden_states = chunk_and_pad_sequence(encoder_hidden_states, sp_world_rank, sp_world_size, 0, dim=1)
+            image_rotary_emb[1] = chunk_and_pad_sequence(image_rotary_emb[1], sp_world_rank, sp_world_size, 0, dim=0)
+"""))
+
 # 5. Runner on CPU: timing with perf_counter, no CUDA sync/moves without CUDA
 edit("xfuser/model_executor/models/runner_models/base_model.py",
      ('''packages_info = PACKAGES_CHECKER.get_packages_info()

@@ -19,6 +19,7 @@ layer --topologies 2x2,3x2 --seq 16384 --reps 5 --link-mbit 80 --out $R/layer-E-
 layer --topologies 4x2 --seq 16384 --head-dims 32,128 --reps 5 --link-mbit 80 --out $R/layer-E-headdim-80mbit
 layer --topologies 4x1,4x2 --seq 4096,8192 --reps 5 --link-mbit 80 --out $R/layer-E-seq-80mbit
 layer --topologies 4x1,4x2 --seq 8192 --batches 2,4 --reps 5 --link-mbit 80 --out $R/layer-E-batch-80mbit
+layer --topologies 2x2 --seq 16384 --reps 5 --link-mbit 80 --strategies usp,tas,torus,swiftfusion --diffusers --out $R/diffusers-layer-2x2-L16384-80mbit
 "$PY" scripts/plot_benchmarks.py $R/layer-A-L16384-80mbit.json $R/layer-B-L16384-160mbit.json \
     $R/layer-C-L16384-2000mbit.json --out benchmarks/layer-A-B-C.png
 "$PY" scripts/plot_benchmarks.py $R/layer-E-machines-80mbit.json $R/layer-A-L16384-80mbit.json $R/layer-E-headdim-80mbit.json \

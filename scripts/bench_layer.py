@@ -37,6 +37,16 @@ within each repetition in an order rotated by one per repetition, medians over `
 - ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile, for the
   strategy and Ulysses degree that ran (auto: its pick).
 
+``--diffusers``: adds rows for diffusers' own context parallelism (``diffusers:ulysses``,
+``diffusers:ring``, ``diffusers:unified``: ``compare_diffusers.diffusers_degrees`` on the
+topology; a configuration invalid there is skipped and named): one call of diffusers'
+``dispatch_attention_fn`` with a layer-level ``ParallelConfig`` (``compare_diffusers.
+layer_config``) on the ``sf_cpu_lse`` backend (torch's CPU flash op, the kernel the strategies
+run), inputs in diffusers' own ``[B, S, H, D]`` layout (contiguous copies made before any
+measurement); ``compute`` replays its ``forward_op`` calls through ``attend`` as usp's are;
+``inter_bytes``/``formula_total_bytes`` from ``compare_diffusers.modelled_diffusers_bytes``;
+no cost-model prediction (``predicted`` ``-``).
+
 ``--quick``: no timing; every strategy against an fp64 reference and its inter-machine bytes
 against ``counted_inter_node_elements`` on small shapes (CI).
 
@@ -45,7 +55,7 @@ one row per point and strategy), the only stored result format (docs/benchmark-m
 
 Command (see BENCHMARKS.md): .venv/bin/python scripts/bench_layer.py [--quick]
   [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
-  [--reps 5] [--link-mbit 300] [--out benchmarks/results/layer]
+  [--reps 5] [--link-mbit 300] [--diffusers] [--out benchmarks/results/layer]
 """
 from __future__ import annotations
 
@@ -74,6 +84,10 @@ from xfuser_swiftfusion.emulation.netns import add_link_argument, link_from_args
 from xfuser_swiftfusion.strategies import get, names, ring as ring_mod, tas as tas_mod, torus as torus_mod
 from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
 from xfuser_swiftfusion.topology import Topology
+from xfuser_swiftfusion.tools import diffusers_backend
+from xfuser_swiftfusion.tools.compare_diffusers import (DIFFUSERS_CONFIGS, PREFIX as DIFFUSERS,
+                                                        diffusers_degrees, layer_config,
+                                                        modelled_diffusers_bytes)
 
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -100,6 +114,74 @@ class AttendRecorder:
     def __exit__(self, *exc) -> None:
         for m in self.MODULES:
             m.attend = kernels.attend
+
+
+class DiffusersLayer:
+    """diffusers' own context-parallel attention (``diffusers:<config>``) behind the part of
+    the context interface this script uses. ``attention`` takes and returns ``[B, H, S, D]``
+    (this rank's tokens) but hands diffusers contiguous ``[B, S, H, D]`` copies made by
+    ``set_inputs`` outside the measurements, so no layout copy is timed for either engine."""
+
+    def __init__(self, name: str, heads: int, topo: Topology) -> None:
+        degrees = diffusers_degrees(name.removeprefix(DIFFUSERS), topo, heads, lse_backend=True)
+        if degrees is None:
+            raise ValueError(f"{name} cannot run with {heads} heads on {topo}")
+        self.strategy, self.topology = name, topo
+        self.ring, self.ulysses = degrees
+        self.backend = diffusers_backend.register()
+        self.config = layer_config(self.ring, self.ulysses)
+        self.shapes: list[tuple[int, int, int, int, int]] = []  # (B, S, H, D, bytes) per call
+        self.calls: list[tuple] = []  # the last call's forward_op work, in ``replay``'s format
+        self._inputs: tuple | None = None
+
+    def set_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Model-layout copies of ``q, k, v`` ``[B, H, S, D]``, used when these are passed."""
+        # [B, H, S, D] -> [B, S, H, D], contiguous
+        self._inputs = ((q, k, v), tuple(x.transpose(1, 2).contiguous() for x in (q, k, v)))
+
+    def clear_inputs(self) -> None:
+        self._inputs = None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        if self._inputs is not None and all(a is b for a, b in zip(self._inputs[0], (q, k, v))):
+            args = self._inputs[1]
+        else:
+            args = tuple(x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] -> [B, S, H, D]
+        calls = []
+        op = diffusers_backend.forward_op
+
+        def recorded(ctx, query, key, value, *a, **kw):
+            # [B, S, H, D] -> [B, H, S, D] shapes, as ``attend`` takes them
+            calls.append(([(query.shape[0], query.shape[2], query.shape[1], query.shape[3])],
+                          [(key.shape[0], key.shape[2], key.shape[1], key.shape[3])],
+                          query.dtype))
+            return op(ctx, query, key, value, *a, **kw)
+        diffusers_backend.forward_op = recorded
+        try:
+            out = dispatch_attention_fn(*args, backend=self.backend, parallel_config=self.config)
+        finally:
+            diffusers_backend.forward_op = op
+        self.calls = [(qs, ks, dt, i == len(calls) - 1) for i, (qs, ks, dt) in enumerate(calls)]
+        B, S, H, D = args[0].shape
+        self.shapes.append((B, S, H, D, args[0].element_size()))
+        return out.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D] (a view)
+
+    def reset_stats(self) -> None:
+        self.shapes.clear()
+
+    def stats(self) -> dict:
+        """Inter-machine bytes this rank sent since ``reset_stats``: the volume model."""
+        return {"inter_node_bytes": modelled_diffusers_bytes(
+            self.topology, self.ring, self.ulysses, self.shapes, dist.get_rank())}
+
+    def total_bytes(self) -> int:
+        """The volume model's bytes of every rank since ``reset_stats``."""
+        return sum(modelled_diffusers_bytes(self.topology, self.ring, self.ulysses, self.shapes, p)
+                   for p in range(self.topology.world_size))
+
+    def close(self) -> None:
+        pass
 
 
 def usp_calls(mesh, B: int, L: int, H: int, D: int, dtype) -> list[tuple]:
@@ -198,8 +280,13 @@ def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
     one-time costs are paid before any peak is measured."""
     x = torch.randn(1, pt["H"], 8, pt["D"]).to(DT[pt["dtype"]])
     ctxs = {}
-    for s in sorted(strategies, key=lambda s: not get(s).external_groups):
-        ctxs[s] = ctx = sf.init_sequence_parallel(s, pt["H"], timeout_s=600)
+    ours = [s for s in strategies if not s.startswith(DIFFUSERS)]
+    for s in sorted(ours, key=lambda s: not get(s).external_groups) + [
+            s for s in strategies if s.startswith(DIFFUSERS)]:
+        if s.startswith(DIFFUSERS):
+            ctxs[s] = ctx = DiffusersLayer(s, pt["H"], Topology.parse(pt["topo"]))
+        else:
+            ctxs[s] = ctx = sf.init_sequence_parallel(s, pt["H"], timeout_s=600)
         for _ in range(2):
             ctx.attention(x, x, x)
     return ctxs
@@ -223,6 +310,9 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
         else:
             q, k, v = (torch.randn(B, H, S, D, generator=g).to(DT[dt]) for _ in range(3))
         res = {s: {"lat": [], "comp": [], "lat_cpu": [], "comp_cpu": []} for s in strategies}
+        for ctx in ctxs.values():
+            if isinstance(ctx, DiffusersLayer):
+                ctx.set_inputs(q, k, v)
         malloc_for(memory=True)
         for s in strategies:
             ctx = ctxs[s]
@@ -237,70 +327,102 @@ def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool
             r = res[s]
             r["inter_bytes"] = all_max(ctx.stats()["inter_node_bytes"])
             r["qdisc_bytes"] = sum(qd1.values()) - sum(qd0.values()) if qd0 is not None else None
-            # what ran: the context's strategy (after its fallback), or the pick of a strategy
-            # that chooses per shape (auto: its impl records ``choices``), on the pick's mesh
-            mesh, ran, r["ran_as"] = ctx.mesh, get(ctx.strategy), ctx.strategy
-            inner = getattr(ctx._impl, "choices", None)
-            if inner:
-                name, ulysses = list(inner.values())[-1]
-                r["ran_as"] = f"{ctx.strategy}->{name}U{ulysses}"
-                mesh = choose_mesh(ctx.topology, H, get(name).placement, ulysses)
-                ran = get(name).resolve(mesh, log=False)
-            r["ran"], r["ulysses"] = ran.name, mesh.ulysses
-            # external groups (xFuser's USP) do not call ``attend``: replay its work from the mesh
-            r["calls"] = usp_calls(mesh, B, L, H, D, DT[dt]) if ran.external_groups else recd.calls
-            counted = counted_inter_node_elements(mesh, B, L, H, D, ran.ring)
-            r["formula_total_bytes"] = sum(counted) * BYTES[dt]  # all ranks: compare with qdisc
-            if ran.external_groups:  # e.g. xFuser's USP: its collectives bypass our byte counters
-                r["inter_bytes"] = max(counted) * BYTES[dt]
-            if quick:
-                r["err"] = all_max((out.double() - ref).abs().max().item())
-                if ran.external_groups:
+            if isinstance(ctx, DiffusersLayer):
+                r["ran_as"] = r["ran"] = s
+                r["ulysses"], r["calls"] = ctx.ulysses, ctx.calls
+                r["formula_total_bytes"] = ctx.total_bytes()
+                if quick:
+                    r["err"] = all_max((out.double() - ref).abs().max().item())
                     r["bytes_ok"] = None
-                else:
-                    want = counted[rank] * BYTES[dt]
-                    r["bytes_ok"] = all_max(ctx.stats()["inter_node_bytes"] != want) == 0
+            else:
+                _describe_ours(r, ctx, recd, B, L, H, D, dt, out, ref if quick else None,
+                               quick, rank)
             del out
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS (persistent buffers stay in it)
             ctx.attention(q, k, v)  # steady state: no one-time transient allocations in the peak
             r["peak_rss"] = all_max(_kb("VmHWM") - _peer_heap_rss() - rss0)
-        if not quick:
-            malloc_for(memory=False)
-            comp_fns = {s: replay(res[s]["calls"]) for s in strategies}
-            it = range(reps)
-            for i in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
-                n = i % len(strategies)  # each repetition starts one strategy later: no strategy
-                for s in strategies[n:] + strategies[:n]:  # always runs first or after the same one
-                    for kind, fn in (("lat", lambda: ctxs[s].attention(q, k, v)), ("comp", comp_fns[s])):
-                        wall, cpu = timed_cpu(fn)
-                        res[s][kind].append(wall)
-                        res[s][kind + "_cpu"].append(cpu)
-        for s in strategies:
-            r = res[s]
-            row = {**pt, "strategy": s, "ran_as": r["ran_as"], "ran": r["ran"], "ulysses": r["ulysses"],
-                   "inter_bytes": r["inter_bytes"],
-                   "qdisc_bytes": r["qdisc_bytes"], "formula_total_bytes": r["formula_total_bytes"],
-                   "peak_rss": r["peak_rss"]}
-            if quick:
-                row |= {"err": r["err"], "bytes_ok": r["bytes_ok"]}
-            else:
-                row |= {"latency_s": statistics.median(r["lat"]),
-                        "compute_s": statistics.median(r["comp"]), "reps": reps,
-                        "latency_reps_s": r["lat"], "compute_reps_s": r["comp"],
-                        "latency_cpu_s": statistics.median(r["lat_cpu"]),
-                        "compute_cpu_s": statistics.median(r["comp_cpu"])}
-                row["exposed_s"] = row["latency_s"] - row["compute_s"]
-            rows.append(row)
+        _time_point(res, ctxs, strategies, q, k, v, reps, quick, rank, pt)
+        rows += _rows(res, strategies, pt, reps, quick)
+        for ctx in ctxs.values():
+            if isinstance(ctx, DiffusersLayer):
+                ctx.clear_inputs()
     for c in ctxs.values():
         c.close()
+    return rows
+
+
+def _describe_ours(r: dict, ctx, recd: AttendRecorder, B: int, L: int, H: int, D: int, dt: str,
+                   out: torch.Tensor, ref: torch.Tensor | None, quick: bool, rank: int) -> None:
+    """What one of our strategies (or xFuser's usp) ran, into ``r``: strategy, Ulysses degree,
+    replayable work, byte counts (with ``quick`` also its error and byte check)."""
+    # what ran: the context's strategy (after its fallback), or the pick of a strategy
+    # that chooses per shape (auto: its impl records ``choices``), on the pick's mesh
+    mesh, ran, r["ran_as"] = ctx.mesh, get(ctx.strategy), ctx.strategy
+    inner = getattr(ctx._impl, "choices", None)
+    if inner:
+        name, ulysses = list(inner.values())[-1]
+        r["ran_as"] = f"{ctx.strategy}->{name}U{ulysses}"
+        mesh = choose_mesh(ctx.topology, H, get(name).placement, ulysses)
+        ran = get(name).resolve(mesh, log=False)
+    r["ran"], r["ulysses"] = ran.name, mesh.ulysses
+    # external groups (xFuser's USP) do not call ``attend``: replay its work from the mesh
+    r["calls"] = usp_calls(mesh, B, L, H, D, DT[dt]) if ran.external_groups else recd.calls
+    counted = counted_inter_node_elements(mesh, B, L, H, D, ran.ring)
+    r["formula_total_bytes"] = sum(counted) * BYTES[dt]  # all ranks: compare with qdisc
+    if ran.external_groups:  # e.g. xFuser's USP: its collectives bypass our byte counters
+        r["inter_bytes"] = max(counted) * BYTES[dt]
+    if quick:
+        r["err"] = all_max((out.double() - ref).abs().max().item())
+        if ran.external_groups:
+            r["bytes_ok"] = None
+        else:
+            want = counted[rank] * BYTES[dt]
+            r["bytes_ok"] = all_max(ctx.stats()["inter_node_bytes"] != want) == 0
+
+
+def _time_point(res: dict, ctxs: dict, strategies: list[str], q, k, v, reps: int, quick: bool,
+                rank: int, pt: dict) -> None:
+    """``reps`` interleaved repetitions of every strategy's latency and compute-only replay."""
+    if quick:
+        return
+    malloc_for(memory=False)
+    comp_fns = {s: replay(res[s]["calls"]) for s in strategies}
+    it = range(reps)
+    for i in (tqdm(it, desc=f"{pt}", leave=False) if rank == 0 else it):
+        n = i % len(strategies)  # each repetition starts one strategy later: no strategy
+        for s in strategies[n:] + strategies[:n]:  # always runs first or after the same one
+            for kind, fn in (("lat", lambda: ctxs[s].attention(q, k, v)), ("comp", comp_fns[s])):
+                wall, cpu = timed_cpu(fn)
+                res[s][kind].append(wall)
+                res[s][kind + "_cpu"].append(cpu)
+
+
+def _rows(res: dict, strategies: list[str], pt: dict, reps: int, quick: bool) -> list[dict]:
+    rows = []
+    for s in strategies:
+        r = res[s]
+        row = {**pt, "strategy": s, "ran_as": r["ran_as"], "ran": r["ran"], "ulysses": r["ulysses"],
+               "inter_bytes": r["inter_bytes"],
+               "qdisc_bytes": r["qdisc_bytes"], "formula_total_bytes": r["formula_total_bytes"],
+               "peak_rss": r["peak_rss"]}
+        if quick:
+            row |= {"err": r["err"], "bytes_ok": r["bytes_ok"]}
+        else:
+            row |= {"latency_s": statistics.median(r["lat"]),
+                    "compute_s": statistics.median(r["comp"]), "reps": reps,
+                    "latency_reps_s": r["lat"], "compute_reps_s": r["comp"],
+                    "latency_cpu_s": statistics.median(r["lat_cpu"]),
+                    "compute_cpu_s": statistics.median(r["comp_cpu"])}
+            row["exposed_s"] = row["latency_s"] - row["compute_s"]
+        rows.append(row)
     return rows
 
 
 def _predict(rows: list[dict], topo: Topology, link_mbit: float | None) -> None:
     prof = get_profile("cpu-emulated", topo, link_mbit)
     for r in rows:
-        if "latency_s" not in r:
+        if "latency_s" not in r or r["strategy"].startswith(DIFFUSERS):  # no model of diffusers'
             continue
         w = Workload(r["B"], r["L"], r["H"], r["D"], r["dtype"])
         p = predict(r["ran"], topo, w, prof, r["ulysses"])
@@ -322,13 +444,15 @@ def markdown(rows: list[dict], quick: bool) -> str:
     out = []
     for r in rows:
         base = usp.get((r["topo"], r["B"], r["L"], r["H"], r["D"], r["link"]))
+        pred = (f"{r['predicted_s'] * 1e3:.1f} | {r['error_pct']:+.0f}" if "predicted_s" in r
+                else "- | -")
         qd = (f"{r['qdisc_bytes'] / 1e6:.2f} / {r['formula_total_bytes'] / 1e6:.2f}"
               if r["qdisc_bytes"] is not None else "-")
         out.append(f"| {r['topo']} | {r['link'] or 'loopback'} | {r['B']} | {r['L']} | {r['H']} | {r['D']} | "
                    f"{r['strategy']} | {r['ran_as']} | {r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
                    f"{r['exposed_s'] * 1e3:.1f} | {base / r['latency_s'] if base else float('nan'):.2f} | "
                    f"{r['inter_bytes'] / 1e6:.2f} | {qd} | {r['peak_rss'] / 1e6:.1f} | "
-                   f"{r['predicted_s'] * 1e3:.1f} | {r['error_pct']:+.0f} |\n")
+                   f"{pred} |\n")
     return head + "".join(out)
 
 
@@ -352,6 +476,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, choices=sorted(DT))
     ap.add_argument("--strategies", default=",".join(names()))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--diffusers", action="store_true",
+                    help="add diffusers' ulysses / ring / unified rows (those valid per topology)")
     add_link_argument(ap)
     ap.add_argument("--out", default=None,
                     help="result path; .json is added (default: benchmarks/results/layer-<time>)")
@@ -372,8 +498,19 @@ def main() -> int:
         topo = Topology.parse(topo_s)
         points = [dict(topo=topo_s, link=a.link_mbit, tcp_queue_kb=a.tcp_queue_kb, B=b, L=L - L % topo.world_size, H=heads, D=d, dtype=dtype)
                   for L in seqs for d in dims for b in ints(a.batches)]
+        rows_here = strategies
+        if a.diffusers:
+            diffusers_backend.register()  # imports diffusers once, before the ranks fork
+            valid = [c for c in DIFFUSERS_CONFIGS
+                     if diffusers_degrees(c, topo, heads, lse_backend=True) is not None]
+            skipped = [c for c in DIFFUSERS_CONFIGS if c not in valid]
+            if skipped:
+                print(f"{topo_s}: skipped diffusers' {', '.join(skipped)} with {heads} heads "
+                      "(ulysses: heads % ranks == 0; unified: 1 < GPUs per machine < ranks, "
+                      "heads % GPUs per machine == 0)", file=sys.stderr)
+            rows_here = strategies + [DIFFUSERS + c for c in valid]
         load0 = os.getloadavg()
-        res = run_emulated(_rank_main, topo, points, strategies, a.reps, a.quick,
+        res = run_emulated(_rank_main, topo, points, rows_here, a.reps, a.quick,
                            timeout_s=7200, link=link)[0]
         for r in res:  # other processes on the host: 1-min load average before / after
             r["loadavg_1m"] = [round(load0[0], 1), round(os.getloadavg()[0], 1)]

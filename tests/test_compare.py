@@ -42,6 +42,24 @@ def test_compare_tiny_flux_json_and_plot(tmp_path, capsys):
     assert "swiftfusion" in table and "PASS" in table
 
 
+def test_compare_tiny_wan_through_xfusers_wan_wrapper(tmp_path, capsys):
+    """tiny-wan: xFuser's own Wan wrapper under every strategy equals plain diffusers."""
+    out_json = tmp_path / "w.json"
+    rc = main(["compare", "--model", "tiny-wan", "--emulate", "2x2", "--strategies",
+               "usp,tas,swiftfusion", "--steps", "2", "--repeats", "1", "--json", str(out_json)])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    rows = json.loads(out_json.read_text())
+    assert [r["strategy"] for r in rows] == ["usp", "tas", "swiftfusion"]
+    for r in rows:
+        assert r["passed"] is True and 0 <= r["max_abs_err"] <= 1e-4, r
+        assert r["mesh"] == "2x1x2", r       # 24 heads on 2x2: U=2 per machine x R=1 x T=2
+        # the strategy ran the attention: the same inter-machine bytes for each (U4 all-to-alls)
+        assert r["attention_latency_s"] > 0 and r["inter_node_bytes_per_gpu"] > 0, r
+    assert len({r["inter_node_bytes_per_gpu"] for r in rows}) == 1, rows
+    assert "tiny-wan (wan) 64x64x9f" in table
+
+
 def test_modelled_usp_bytes_counts_offmachine_slices():
     mesh = choose_mesh(Topology(2, 2), 24, "usp")
     # one call: B=1, H=24, S_local=10, D=8, fp32 -> X = 1920 elements per tensor per rank
@@ -56,6 +74,9 @@ def test_modelled_usp_bytes_counts_offmachine_slices():
     (["--model", "tiny-cogvideox", "--emulate", "2x4", "--height", "96"],
      "the height must be a multiple of 64"),
     (["--emulate", "2x2", "--model", "/nonexistent/ckpt"], "not a local diffusers checkpoint"),
+    (["--model", "tiny-wan", "--emulate", "5x1"], "48 video tokens, not divisible by the 5 ranks"),
+    (["--model", "tiny-wan", "--emulate", "2x2", "--num-frames", "8"],
+     "--num_frames must be 1 + a multiple of 4"),
     (["--emulate", "2x2", "--steps", "1"], "--steps must be >= 2"),
     ([], "not launched by torchrun"),
 ])

@@ -227,6 +227,58 @@ def test_flash_backend_merge_and_layout(monkeypatch, dtype):
             assert_matches(out, s.lse(), *reference(q, kv_chunks, 0.125), TOL[dtype])
 
 
+def test_flash_backend_gqa_passes_kv_heads_unrepeated(monkeypatch):
+    """flash-attn takes K/V with fewer heads itself: the backend passes them as they are
+    ([B, L, H_kv, D]); query head i reads K/V head i // (H / H_kv) (the fake: the reference)."""
+    seen = []
+
+    def fake(q, k, v, **kw):
+        seen.append((q.shape[2], k.shape[2]))
+        return _fake_flash_attn_func(q, k, v, **kw)
+
+    monkeypatch.setattr(flash_backend, "_flash_attn_func", lambda: fake)
+    g = torch.Generator().manual_seed(4)
+    q_chunks = [torch.randn(2, 6, n, 32, generator=g).bfloat16() for n in (5, 9)]
+    kv_chunks = [tuple(torch.randn(2, 2, n, 32, generator=g).bfloat16() for _ in range(2)) for n in (4, 7)]
+    states = [new_state(q) for q in q_chunks]
+    flash_backend.attend_flash(q_chunks, kv_chunks, states, 0.2)
+    assert seen == [(6, 2), (6, 2)]
+    for q, s in zip(q_chunks, states):
+        assert_matches(s.acc / s.l.unsqueeze(-1), s.lse(), *reference(q, kv_chunks, 0.2), TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "flash", "torch"])
+def test_cuda_backends_gqa_and_key_masks(backend):
+    """On a GPU: GQA on every backend; key masks (run on torch's memory-efficient attention
+    with a bias, whatever the backend) including a fully masked batch entry."""
+    try:
+        set_backend(backend)
+        kernels.current_backend(torch.device("cuda"), 64, torch.bfloat16)
+    except RuntimeError as exc:
+        set_backend(None)
+        pytest.skip(str(exc))
+    try:
+        g = torch.Generator().manual_seed(6)
+        q_chunks = [torch.randn(2, 8, n, 64, generator=g).bfloat16().cuda() for n in (70, 5)]
+        kv_chunks = [tuple(torch.randn(2, 2, n, 64, generator=g).bfloat16().cuda() for _ in range(2))
+                     for n in (33, 50)]
+        masks = [torch.rand(2, n, generator=g).cuda() > 0.3 for n in (33, 50)]
+        masks[0][1] = masks[1][1] = False
+        for key_masks in (None, masks):
+            states = [new_state(q) for q in q_chunks]
+            outs = attend(q_chunks, kv_chunks, states, scale=0.125, finalize=True, key_masks=key_masks)
+            K, V = (torch.cat([c[i] for c in kv_chunks], 2).cpu() for i in (0, 1))
+            M = None if key_masks is None else torch.cat(masks, 1).cpu()
+            for q, o in zip(q_chunks, outs):
+                ref, _ = attention_lse(q.cpu(), K, V, 0.125, M)
+                assert (o.cpu().double() - ref).abs().max() <= 2e-2
+            if key_masks is not None:
+                assert all(o[1].abs().max() == 0 for o in outs)  # no unmasked key: 0
+    finally:
+        set_backend(None)
+
+
 # ---------------------------------------------------------------- merge algebra (hypothesis)
 def _chunk_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttnState:
     """Exact fp64 state of q against one key chunk, stored as fp32 (empty chunk: new_state)."""

@@ -1,7 +1,8 @@
 """Tiny real-architecture checkpoints and the sequence-parallel pipelines under every strategy.
 
 The reference is independent of the code under test: diffusers' own ``FluxPipeline`` /
-``CogVideoXPipeline`` run in this (parent) process on one device, no SP wrapper, no xFuser.
+``CogVideoXPipeline`` / ``WanPipeline`` run in this (parent) process on one device, no SP
+wrapper, no xFuser (Wan's parallel run uses xFuser's own ``xFuserWanTransformer3DWrapper``).
 The ranks run the same prompt/seed through ``models.parallel`` (sharded the xFuser way, every
 attention through xFuser's USP routed to the strategy) and return the final latents.
 """
@@ -27,13 +28,14 @@ from xfuser_swiftfusion.strategies import names  # noqa: E402
 TOL = 1e-4       # fp32 whole-model latents (measured ~1e-6, see compare.py)
 STEPS = 2
 SIZES = {"flux": dict(height=48, width=48, num_frames=1),      # 144 image tokens
-         "cogvideox": dict(height=192, width=64, num_frames=9)}  # 3 x 24 x 8 patches
+         "cogvideox": dict(height=192, width=64, num_frames=9),  # 3 x 24 x 8 patches
+         "wan": dict(height=64, width=64, num_frames=9)}         # 3 x 4 x 4 patches
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     os.environ["SWIFTFUSION_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    return {k: tiny_checkpoint(k) for k in ("flux", "cogvideox")}
+    return {k: tiny_checkpoint(k) for k in ("flux", "cogvideox", "wan")}
 
 
 def _gen(kind: str, text: int) -> dict:
@@ -47,8 +49,8 @@ _refs: dict = {}
 def reference(path: str, kind: str, text: int) -> torch.Tensor:
     """Plain diffusers on one device (cached per model and text length), fp64 latents."""
     if (path, text) not in _refs:
-        from diffusers import CogVideoXPipeline, FluxPipeline
-        cls = FluxPipeline if kind == "flux" else CogVideoXPipeline
+        from diffusers import CogVideoXPipeline, FluxPipeline, WanPipeline
+        cls = {"flux": FluxPipeline, "cogvideox": CogVideoXPipeline, "wan": WanPipeline}[kind]
         pipe = cls.from_pretrained(path, local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         g = _gen(kind, text)
@@ -81,6 +83,7 @@ def _rank_run(path: str, kind: str, text: int, strategies: list[str],
 CASES = [  # (kind, topology, text tokens); 13 is not divisible by 4, 6 or 8 (joint text)
     ("flux", "2x2", 13), ("flux", "2x4", 16), ("flux", "3x2", 13),
     ("cogvideox", "2x2", 13), ("cogvideox", "2x4", 13), ("cogvideox", "3x2", 12),
+    ("wan", "2x2", 13),
 ]
 
 
@@ -142,12 +145,14 @@ def test_checkpoints_are_deterministic_real_and_offline(ckpts, tmp_path):
     assert info["clip"][0] == 0 and info["clip"][-1] == 1
 
 
-def test_example_script_runs_and_prints_xfuser_line(ckpts):
-    """examples/flux_example.py as a user runs it (own process, --emulate)."""
+@pytest.mark.parametrize("example,model", [("flux_example.py", "tiny"),
+                                           ("wan_example.py", "tiny-wan")])
+def test_example_script_runs_and_prints_xfuser_line(ckpts, example, model):
+    """examples/flux_example.py / wan_example.py as a user runs them (own process, --emulate)."""
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "examples" / "flux_example.py"
-    res = subprocess.run([sys.executable, str(script), "--emulate", "2x2", "--sp-strategy",
-                          "swiftfusion", "--num_inference_steps", "2"],
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    res = subprocess.run([sys.executable, str(script), "--model", model, "--emulate", "2x2",
+                          "--sp-strategy", "swiftfusion", "--num_inference_steps", "2"],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-3000:]

@@ -115,6 +115,7 @@ _EQUIVALENCE_SCRIPT = textwrap.dedent("""
     assert xfuser.__file__.startswith(sys.argv[1]), xfuser.__file__
     assert envs.get_torch_distributed_backend() == "gloo"
     assert envs.get_device_version() is None
+    assert not envs.PACKAGES_CHECKER._on_rdna4() and not envs.PACKAGES_CHECKER._on_mi3xx()
     from xfuser.core.distributed import parallel_state
     assert parallel_state.HAS_LONG_CTX_ATTN
     from xfuser.model_executor.layers import usp
@@ -198,29 +199,71 @@ _PLUGIN_SCRIPT = textwrap.dedent("""
             got = par(**x).sample.double()
         return (got - want).abs().max().item() / want.abs().max().item()
 
+    from xfuser.model_executor.models.transformers import transformer_flux2 as tf2
+    from xfuser.model_executor.models.transformers import transformer_qwen as tq
+    from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel
+    F2 = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+              attention_head_dim=8, num_attention_heads=8, joint_attention_dim=32,
+              timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False)
+    QW = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8,
+              num_attention_heads=8, joint_attention_dim=32, axes_dims_rope=(2, 2, 4))
+
+    def flux2_or_qwen(kind, img, text):
+        torch.manual_seed(0)
+        if kind == "flux2":
+            ref = Flux2Transformer2DModel(**F2).eval()
+            par = tf2.xFuserFlux2Transformer2DWrapper(**F2).eval()
+        else:
+            ref = QwenImageTransformer2DModel(**QW).eval()
+            par = tq.xFuserQwenImageTransformerWrapper(**QW).eval()
+        par.load_state_dict(ref.state_dict())
+        g = torch.Generator().manual_seed(1)
+        x = dict(hidden_states=torch.randn(1, img, 16, generator=g),
+                 encoder_hidden_states=torch.randn(1, text, 32, generator=g),
+                 timestep=torch.tensor([0.5]))
+        if kind == "flux2":
+            i, t = torch.arange(img, dtype=torch.float32), torch.arange(text, dtype=torch.float32)
+            x["img_ids"] = torch.stack([0 * i, i // 4, i % 4, 0 * i], -1)[None]
+            x["txt_ids"] = torch.stack([0 * t, 0 * t, 0 * t, t], -1)[None]
+        else:
+            rows = 4 if img % 4 == 0 else 3
+            x["img_shapes"] = [(1, rows, img // rows)]
+        with torch.no_grad():
+            want = ref(**x).sample.double()
+            got = par(**x).sample.double()
+        return (got - want).abs().max().item() / want.abs().max().item()
+
+    def error_of(fn, *args):
+        try:
+            fn(*args)
+        except ValueError as exc:                  # a clear error, not padding or a crash
+            return str(exc)
+        return "no error"
+
     def rank():
         xs.init_xfuser_parallel(4, 1, "usp")
         try:
-            err = flux(16, 7)                      # bug 2 fixed by the source patch
-            try:
-                flux(15, 8)
-                bug1 = "no error"
-            except ValueError as exc:              # bug 1: a clear error, not AttributeError
-                bug1 = str(exc)
-            return err, bug1
+            errs = [flux(16, 7)]                   # bug 2 fixed by the source patch
+            bugs = [error_of(flux, 15, 8)]         # bug 1: a clear error, not AttributeError
+            for kind in ("flux2", "qwen"):         # text replicated, passed as joint tokens
+                errs += [flux2_or_qwen(kind, 16, text) for text in (8, 7)]
+                bugs.append(error_of(flux2_or_qwen, kind, 15, 8))
+            return errs, bugs
         finally:
             xs.destroy_xfuser_parallel()
 
-    for err, bug1 in run_emulated(rank, "2x2", timeout_s=180):
-        assert err < 1e-4, err
-        assert "not divisible by the sequence parallel degree 4" in bug1, bug1
+    for errs, bugs in run_emulated(rank, "2x2", timeout_s=300):
+        assert max(errs) < 1e-5, errs
+        for bug in bugs:
+            assert "not divisible by the sequence parallel degree 4" in bug, bugs
     print("PLUGIN PATCH OK")
 """)
 
 
 def test_plugin_patch_works_without_runtime_plugin(tmp_path: Path):
-    """The patched copy: --sp_strategy parses, CPU timing works, both Flux bugs are fixed,
-    with the run-time plugin off (SWIFTFUSION_AUTOLOAD=0, nothing calls install())."""
+    """The patched copy: --sp_strategy parses, CPU timing works, both Flux bugs are fixed and
+    FLUX.2 / Qwen-Image take any text length (exact) and reject image padding, with the
+    run-time plugin off (SWIFTFUSION_AUTOLOAD=0, nothing calls install())."""
     _patched_copy(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "tests")]),
                PYTHONDONTWRITEBYTECODE="1", SWIFTFUSION_AUTOLOAD="0", OMP_NUM_THREADS="1")

@@ -134,10 +134,10 @@ def _validation() -> dict[str, str]:
 def test_boundary_errors_name_the_constraint():
     msgs = run_emulated(_validation, "1x4", timeout_s=120)
     expect = {
-        "shape": "shapes differ", "dtype": "dtypes differ", "device": "devices differ",
+        "shape": "do not fit", "dtype": "dtypes differ", "device": "devices differ",
         "int": "floating-point", "heads": "num_heads=4", "3d": "4-D tensor",
         "empty": "at least one token", "joint_missing": "joint_value missing",
-        "joint_where": "joint_strategy must be one of", "joint_shape": "joint_key must be [B=1, H=4",
+        "joint_where": "joint_strategy must be one of", "joint_shape": "joint_key must be [B=1, 4 heads (as key)",
         "joint_dtype": "joint_key is torch.float16",
         "seq_differs": "local sequence length S_local: rank 0=3, rank 1=3, rank 2=4, rank 3=3",
         "batch_differs": "batch B: rank 0=1, rank 1=2",

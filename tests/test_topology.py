@@ -117,9 +117,18 @@ def test_plan_cli_json(capsys):
     assert p["swiftfusion"]["inter_node_bytes_per_gpu"] == 3 * (66048 * 24 * 128 // 32) * 2
 
 
-def test_plan_reports_fallback():
+def test_plan_reports_padding_and_fallback():
+    """3 x 2, 4 heads: U2xR3 puts the ring across machines; torus/swiftfusion run on 6
+    zero-padded heads (U6xR1), or fall back to tas with pad_heads=False; 1 head has no
+    H' <= 2 that fits 3 machines: tas."""
     p = plan(3, 2, 4, 4608, 64)
+    for s in ("torus", "swiftfusion"):
+        assert (p[s]["runs_as"], p[s]["heads"], p[s]["ulysses_degree"], p[s]["ring_degree"]) == (s, 6, 6, 1)
+    assert (p["tas"]["heads"], p["tas"]["ulysses_degree"]) == (4, 2)
+    p = plan(3, 2, 4, 4608, 64, pad_heads=False)
     assert p["torus"]["runs_as"] == "tas" and p["swiftfusion"]["runs_as"] == "tas"
+    p = plan(3, 2, 1, 4608, 64)
+    assert p["torus"]["runs_as"] == "tas" and p["torus"]["heads"] == 1
 
 
 def test_plan_cli_bad_input(capsys):

@@ -101,7 +101,14 @@ def test_flag_registered_in_xfuser_args(capsys):
     (["--sp-strategy", "tas", "--topology", "2x8", "--ulysses_degree", "16"], "16",
      "24 heads are not divisible by ulysses degree 16"),
     (["--sp-strategy", "swiftfusion", "--topology", "2x2"], "8", "topology"),
-    (["--sp-strategy", "torus", "--use_cfg_parallel"], "4", "--use_cfg_parallel"),
+    (["--sp-strategy", "torus", "--pipefusion_parallel_degree", "2"], "4",
+     "with --pipefusion_parallel_degree 2 (PipeFusion) is not supported"),
+    (["--sp-strategy", "tas", "--tensor_parallel_degree", "2"], "4",
+     "with --tensor_parallel_degree 2 (tensor parallelism) is not supported"),
+    (["--sp-strategy", "tas", "--use_cfg_parallel", "--topology", "3x4"], "12",
+     "each CFG half is one SP group of 6 ranks"),
+    (["--sp-strategy", "tas", "--use_cfg_parallel", "--topology", "2x4", "--ulysses_degree", "8"],
+     "8", "must equal the 4 ranks of each SP group"),
 ])
 def test_argument_errors_are_messages(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -111,12 +118,36 @@ def test_argument_errors_are_messages(argv, world, message, capsys):
     assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("strategy", ["tas", "torus", "swiftfusion", "auto", "usp"])
+def test_cfg_parallel_accepted_with_every_strategy(strategy):
+    ns = _parse(["--model", tiny_checkpoint("flux"), "--sp-strategy", strategy,
+                 "--use_cfg_parallel", "--topology", "4x2"], "8")
+    assert (ns.sp_strategy, ns.use_cfg_parallel) == (strategy, True)
+
+
+@pytest.mark.parametrize("flag", ["--pipefusion_parallel_degree", "--tensor_parallel_degree"])
+def test_pipefusion_and_tensor_parallel_refusals_name_the_fix(flag, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--model", tiny_checkpoint("flux"), "--sp-strategy", "swiftfusion", flag, "2",
+                "--use_cfg_parallel"], "8")
+    err = capsys.readouterr().err
+    assert f"--sp-strategy swiftfusion with {flag} 2" in err, err
+    assert f"Use {flag} 1 with --sp-strategy" in err and "drop --sp-strategy" in err, err
+
+
 def test_xdit_process_count():
     n = xp.xdit_nproc
     assert n(["--model", "m", "--sp-strategy", "swiftfusion", "--topology", "2x2"], 1) == 4
     assert n(["--sp-strategy", "tas", "--topology", "2x4", "--nnodes", "2"], 1) == 4
     assert n(["--sp-strategy", "usp", "--ulysses_degree", "2", "--ring_degree", "2"], 4) == 4
     assert n(["--ulysses_degree", "2"], 2) == 2                     # no flag: xFuser's rule
+    # --use_cfg_parallel: --topology is the world; the degrees are each CFG half's
+    assert n(["--sp-strategy", "tas", "--topology", "4x2", "--use_cfg_parallel"], 1) == 8
+    assert n(["--sp-strategy", "tas", "--topology", "4x2", "--use_cfg_parallel",
+              "--ulysses_degree", "2", "--ring_degree", "2"], 8) == 8
+    with pytest.raises(xp.PluginError, match="must equal the 4 ranks of each SP group"):
+        n(["--sp-strategy", "tas", "--topology", "4x2", "--use_cfg_parallel",
+           "--ulysses_degree", "8"], 16)
     with pytest.raises(xp.PluginError, match="needs the world size"):
         n(["--sp-strategy", "swiftfusion"], 1)
     with pytest.raises(xp.PluginError, match="must equal the 4 ranks"):
@@ -208,14 +239,14 @@ def _rank_routes_every_model():
             ctx.reset_stats()
             res[f"cog_err_text{text}"] = _cog_error(cog, _cog_inputs(text))
             res[f"cog_calls_text{text}"] = (ctx.stats()["calls"], COG_CFG["num_layers"])
-        # fallback: an explicit backend goes to xFuser's USP (on the TAS groups), counted once
+        # fallback: a backend other than the runtime's runs xFuser's USP (TAS groups), counted once
         g = torch.Generator().manual_seed(5)
         q, k, v = (torch.randn(1, HEADS, 4 * 6, 8, generator=g) for _ in range(3))
         r = dist.get_rank()
         local = [t[:, :, r * 6:(r + 1) * 6].contiguous() for t in (q, k, v)]
         from xfuser.core.distributed.attention_backend import AttentionBackendType as T
         ctx.reset_stats()
-        out = xf_ap.USP(*local, backend=T.SDPA_FLASH)
+        out = xf_ap.USP(*local, backend=T.SDPA_MATH)
         res["fallback_err"] = max_abs_err(out, rank_rows(q, k, v, r, 4))
         res["fallbacks"] = ctx.stats()["fallbacks"]
         res["calls_after_fallback"] = ctx.stats()["calls"]
@@ -242,7 +273,7 @@ def test_use_strategy_routes_flux_and_cogvideox():
             calls, layers = res[f"cog_calls_text{text}"]
             assert calls == layers, (rank, res)
         assert res["fallback_err"] < 1e-5, res
-        assert res["fallbacks"] == {"explicit attention backend SDPA_FLASH": 1}, res
+        assert res["fallbacks"] == {"explicit attention backend SDPA_MATH": 1}, res
         assert res["calls_after_fallback"] == 0, res
 
 

@@ -29,6 +29,11 @@ runs concurrently. GPUs: ``comm_cpu_bw = inf``.
 
 Inter-machine bytes per rank equal ``topology.counted_inter_node_elements`` (checked by
 ``inter_node_elements`` and tests/test_cost_model.py).
+
+Zero-padded heads (``mesh.torus_mesh``, ``strategies/padded.py``): a strategy that needs the
+Torus schedule, at the default degree, on a mesh that is not torus-ready runs on ``H'`` heads
+as ``init_sequence_parallel`` runs it (unless ``pad_heads=False``): every term above uses
+``H'`` (compute and bytes), and ``Prediction.heads`` is ``H'``.
 """
 from __future__ import annotations
 
@@ -37,11 +42,11 @@ import json
 import math
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .log import get_logger, log_once
-from .mesh import Mesh, choose_mesh, counted_inter_node_elements
+from .mesh import Mesh, choose_mesh, counted_inter_node_elements, torus_mesh
 from .strategies.registry import StrategySpec, get, modelled
 from .topology import Topology, TopologyError
 
@@ -215,6 +220,8 @@ class Prediction:
     compute_s: float   # the same attend calls without communication
     inter_node_bytes: int  # per rank (max over ranks)
     breakdown: dict[str, float] = field(default_factory=dict)
+    heads: int = 0     # heads it runs on: the workload's, or H' when zero-padded
+    padded: bool = False  # runs on zero-padded heads (heads > the workload's)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -370,10 +377,17 @@ def _torus(m: _Model, x: int) -> tuple[float, dict]:
 
 
 def _run(spec: StrategySpec, topology: Topology, workload: Workload, profile: HardwareProfile,
-         ulysses_degree: int | None) -> tuple[Mesh, StrategySpec, int, list[int], _Model, float, dict]:
+         ulysses_degree: int | None, pad_heads: bool = True
+         ) -> tuple[Mesh, StrategySpec, int, list[int], _Model, float, dict]:
     """Mesh, the spec that runs on it (after its fallback), critical rank, bytes per rank, and
-    the model's latency and breakdown."""
-    mesh = choose_mesh(topology, workload.heads, spec.placement, ulysses_degree)
+    the model's latency and breakdown (the model's workload ``m.w`` has the heads it runs on:
+    more than ``workload``'s when zero-padded)."""
+    heads = workload.heads
+    if spec.needs_torus:
+        mesh, padded = torus_mesh(topology, heads, spec.placement, ulysses_degree, pad=pad_heads)
+        workload = replace(workload, heads=padded)
+    else:
+        mesh = choose_mesh(topology, heads, spec.placement, ulysses_degree)
     runs = spec.resolve(mesh, log=False)
     x, per_rank = _critical_rank(mesh, workload, runs.ring)
     m = _Model(mesh, workload, profile, one_sided=runs.one_sided)
@@ -387,19 +401,24 @@ def _run(spec: StrategySpec, topology: Topology, workload: Workload, profile: Ha
 
 
 def predict(strategy: str, topology: Topology, workload: Workload, profile: HardwareProfile,
-            ulysses_degree: int | None = None) -> Prediction:
+            ulysses_degree: int | None = None, pad_heads: bool = True) -> Prediction:
     """Latency of one attention layer for ``strategy`` with Ulysses degree ``ulysses_degree``
-    (default ``gcd(N*M, H)``), with the fallback ``init_sequence_parallel`` applies."""
+    (default ``gcd(N*M, H)``), as ``init_sequence_parallel`` runs it: on zero-padded heads
+    where the Torus schedule needs them (``pad_heads``, default degree only), else with the
+    spec's fallback."""
     spec = get(strategy)
-    mesh, runs, x, per_rank, m, latency, bd = _run(spec, topology, workload, profile, ulysses_degree)
+    mesh, runs, x, per_rank, m, latency, bd = _run(spec, topology, workload, profile,
+                                                   ulysses_degree, pad_heads)
     return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement, latency,
-                      m.compute, per_rank[x] * BYTES[workload.dtype], bd)
+                      m.compute, per_rank[x] * BYTES[workload.dtype], bd, m.w.heads,
+                      m.w.heads != workload.heads)
 
 
 def inter_node_elements(strategy: str, topology: Topology, workload: Workload,
-                        ulysses_degree: int | None = None) -> float:
+                        ulysses_degree: int | None = None, pad_heads: bool = True) -> float:
     """Inter-machine elements of the critical rank as the model's phase terms add them up."""
-    bd = _run(get(strategy), topology, workload, GPU_PROFILES["p4de"], ulysses_degree)[-1]
+    bd = _run(get(strategy), topology, workload, GPU_PROFILES["p4de"], ulysses_degree,
+              pad_heads)[-1]
     return bd["inter_elems"]
 
 
@@ -409,26 +428,38 @@ def ulysses_degrees(topology: Topology, heads: int) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
-def candidates(topology: Topology, workload: Workload, profile: HardwareProfile) -> list[Prediction]:
-    """Every (strategy, Ulysses degree) that runs as itself, predicted."""
+def candidates(topology: Topology, workload: Workload, profile: HardwareProfile,
+               pad_heads: bool = False) -> list[Prediction]:
+    """Every (strategy, Ulysses degree) that runs as itself, predicted; with ``pad_heads``
+    also each Torus-schedule strategy on zero-padded heads where its default mesh needs them
+    (``Prediction.heads`` > the workload's; its ``ulysses`` is the padded mesh's)."""
     out = []
     for deg in ulysses_degrees(topology, workload.heads):
         for spec in modelled():
             pr = predict(spec.name, topology, workload, profile, deg)
             if pr.runs_as == spec.name:
                 out.append(pr)
+    if pad_heads:
+        for spec in modelled():
+            if spec.needs_torus:
+                pr = predict(spec.name, topology, workload, profile, None, True)
+                if pr.padded and pr.runs_as == spec.name:
+                    out.append(pr)
     return out
 
 
 def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
-              usp_ulysses: int | None = None, external: bool = True) -> Prediction:
+              usp_ulysses: int | None = None, external: bool = True,
+              pad_heads: bool = False) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
     the registry's order and the larger Ulysses degree. Never predicted slower than the
     baseline (``usp`` at its default degree). ``usp_ulysses``: the only Ulysses degree a
     strategy on xFuser's existing groups may use (they are built already). ``external=False``:
-    no strategy on groups built outside this package (no xFuser: diffusers' integration)."""
+    no strategy on groups built outside this package (no xFuser: diffusers' integration).
+    ``pad_heads``: Torus-schedule strategies on zero-padded heads are candidates too (the
+    caller must then build a pick with ``heads`` > H padded, ``strategies/padded.py``)."""
     specs = {s.name: s for s in modelled() if external or not s.external_groups}
-    cands = [p for p in candidates(topology, workload, profile) if p.strategy in specs
+    cands = [p for p in candidates(topology, workload, profile, pad_heads) if p.strategy in specs
              and (not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses))]
     order = list(specs)
     baselines = [s for s in specs.values() if s.baseline]

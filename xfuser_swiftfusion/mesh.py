@@ -136,6 +136,40 @@ def choose_mesh(topology: Topology, num_heads: int, placement: str = "tas",
     return Mesh(topology, ulysses_degree, ring_degree, placement)
 
 
+def torus_padding(topology: Topology, num_heads: int, placement: str = "tas") -> int | None:
+    """The head count ``H' > H`` to pad ``num_heads`` to so that the Torus schedule runs:
+    the smallest ``H' <= 2H`` whose default mesh ``gcd(N*M, H')`` is ``torus_ready``.
+
+    None when the default mesh of ``num_heads`` is torus-ready already (nothing to pad) or no
+    such ``H'`` exists. With node-major ranks and the ``tas`` placement a mesh is torus-ready
+    exactly when ``N`` divides ``gcd(N*M, H')`` (ring groups of ``N*M / P_u`` contiguous ranks
+    then fit a machine), i.e. when ``N`` divides ``H'``; every torus-ready mesh spans all ``N``
+    machines (``T = N``), so its inter-machine bytes and its attention FLOPs both grow as
+    ``H'``: the smallest ``H'`` is the cheapest.
+    """
+    if choose_mesh(topology, num_heads, placement).torus_ready:
+        return None
+    for padded in range(num_heads + 1, 2 * num_heads + 1):
+        if choose_mesh(topology, padded, placement).torus_ready:
+            return padded
+    return None
+
+
+def torus_mesh(topology: Topology, num_heads: int, placement: str = "tas",
+               ulysses_degree: int | None = None, ring_degree: int | None = None,
+               pad: bool = True) -> tuple[Mesh, int]:
+    """``(mesh, heads)`` a strategy that needs the Torus schedule runs on: the default mesh
+    and ``num_heads``, or, when that mesh is not torus-ready, no degree is given and ``pad``,
+    the mesh of ``torus_padding``'s ``H'`` and ``H'`` (where there is one)."""
+    mesh = choose_mesh(topology, num_heads, placement, ulysses_degree, ring_degree)
+    if mesh.torus_ready or not pad or ulysses_degree is not None or ring_degree is not None:
+        return mesh, num_heads
+    padded = torus_padding(topology, num_heads, placement)
+    if padded is None:
+        return mesh, num_heads
+    return choose_mesh(topology, padded, placement), padded
+
+
 # ---------------------------------------------------------------------------------------
 # Inter-machine volume.
 

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch.distributed as dist
 
@@ -106,3 +107,33 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
             f"topology {topo} (from {source}) has {topo.world_size} GPUs but the sequence-parallel "
             f"group has {world_size} ranks; use a topology NxM with N*M = {world_size}.")
     return topo
+
+
+def subset_topology(topology: Topology, ranks: Sequence[int]) -> Topology:
+    """Machines x GPUs of the group ``ranks`` (global ranks of ``topology``, in group order).
+
+    The group must be node-major (each machine's members contiguous in ``ranks``) with the
+    same number of members on every machine it spans; group index ``i`` then lives on the
+    group's machine ``i // M'`` (``M'``: its GPUs per machine), which is ``topology``'s machine
+    ``topology.node_of(ranks[i])``.
+    """
+    ranks = list(ranks)
+    if not ranks or len(set(ranks)) != len(ranks) or not all(
+            0 <= x < topology.world_size for x in ranks):
+        raise TopologyError(f"group {tuple(ranks)} must hold distinct ranks of topology "
+                            f"{topology} (0..{topology.world_size - 1})")
+    blocks: list[list[int]] = []  # [machine, members] in group order
+    for x in ranks:
+        if blocks and blocks[-1][0] == topology.node_of(x):
+            blocks[-1][1] += 1
+        else:
+            blocks.append([topology.node_of(x), 1])
+    machines = [m for m, _ in blocks]
+    if len(set(machines)) != len(machines) or len({n for _, n in blocks}) != 1:
+        found = ", ".join(f"machine {m}: {n}" for m, n in blocks)
+        raise TopologyError(
+            f"the group of ranks {tuple(ranks)} does not span whole machines evenly on topology "
+            f"{topology} ({found} in group order); a group needs the same number of ranks on "
+            f"each of its machines, contiguous: use a group size that is a multiple or a divisor "
+            f"of the {topology.gpus_per_node} GPUs per machine")
+    return Topology(len(blocks), blocks[0][1])

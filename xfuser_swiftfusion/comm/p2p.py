@@ -15,6 +15,11 @@ communicator; on NCCL their communicators are initialised right then (``device_i
 one-element all-reduce), never lazily by a first batch. Concurrent NCCL communicators need
 every rank to issue their operations in one global order: the strategies do (every rank runs
 the same schedule).
+
+Ranks: the communicator's ranks are SP ranks; ``members`` maps them to global ranks (None:
+SP rank = global rank). With several SP groups (CFG parallelism) each group's communicator
+addresses only its own members on the shared queue groups: point-to-point operations involve
+only their two ranks, so the groups never wait on each other.
 """
 from __future__ import annotations
 
@@ -76,7 +81,7 @@ class _WorkHandle(Handle):
             try:
                 work.wait(timeout=timedelta(seconds=remaining))
             except RuntimeError as exc:
-                doing = f"rank {c.rank}: {self._what!r}: exchange with peers {self._peers}"
+                doing = f"{c.who}: {self._what!r}: exchange with peers {self._peers}"
                 if "timed out" in str(exc).lower():
                     raise CommTimeout(f"{doing} did not complete within {c.timeout_s:.1f} s") from exc
                 raise PeerFailure(f"{doing} failed: {exc}") from exc
@@ -90,14 +95,24 @@ class _WorkHandle(Handle):
 @dataclass(eq=False)
 class P2PCommunicator(TwoSided):
     """``exchange``/``all_to_all`` as one ``batch_isend_irecv`` each, on the queue's group
-    (a batch runs on one process group, so both directions between two ranks share it)."""
+    (a batch runs on one process group, so both directions between two ranks share it).
+    ``members``: global rank of each of its ``world_size`` ranks (None: the default group)."""
 
+    members: tuple[int, ...] | None = None
     _groups: dict[str, Any] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not dist.is_initialized():
             raise RuntimeError("P2PCommunicator needs torch.distributed initialised")
+        members = tuple(self.members) if self.members is not None else tuple(range(self.world_size))
+        if len(members) != self.world_size or not 0 <= self.rank < self.world_size \
+                or members[self.rank] != dist.get_rank():
+            raise ValueError(f"P2PCommunicator: rank {self.rank} of {self.world_size} with members "
+                             f"{members} is not global rank {dist.get_rank()}")
+        self.members = members
+        self.who = (f"rank {self.rank}" if members == tuple(range(dist.get_world_size()))
+                    else f"rank {members[self.rank]} (SP rank {self.rank})")
         self._groups = queue_groups()
         self._streams = ({q: torch.cuda.Stream() for q in QUEUES}
                          if "nccl" in str(dist.get_backend()) else {})
@@ -123,7 +138,7 @@ class P2PCommunicator(TwoSided):
         own_sends = [t for t, p in sends if p == self.rank]
         own_recvs = [t for t, p in recvs if p == self.rank]
         if len(own_sends) != len(own_recvs):
-            raise ValueError(f"rank {self.rank}: {what!r}: {len(own_sends)} sends to myself but "
+            raise ValueError(f"{self.who}: {what!r}: {len(own_sends)} sends to myself but "
                              f"{len(own_recvs)} receives from myself")
         for dst, src in zip(own_recvs, own_sends):
             dst.copy_(src)
@@ -132,7 +147,7 @@ class P2PCommunicator(TwoSided):
         peers = sorted({p for _, p in (*sends, *recvs)})
         for p in peers:
             if not 0 <= p < self.world_size:
-                raise ValueError(f"rank {self.rank}: {what!r}: invalid exchange peer {p}")
+                raise ValueError(f"{self.who}: {what!r}: invalid exchange peer {p}")
         group = self._groups[queue]
         ops: list[dist.P2POp] = []
         unstage: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -140,16 +155,17 @@ class P2PCommunicator(TwoSided):
         with self._issue_stream(queue):
             for t, p in recvs:
                 buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                ops.append(dist.P2POp(dist.irecv, buf, p, group))
+                ops.append(dist.P2POp(dist.irecv, buf, self.members[p], group))
                 if buf is not t:
                     unstage.append((t, buf))
-            ops += [dist.P2POp(dist.isend, t.contiguous(), p, group) for t, p in sends]
+            ops += [dist.P2POp(dist.isend, t.contiguous(), self.members[p], group)
+                    for t, p in sends]
             if ops:
                 self.counter.grouped_calls += 1
                 try:
                     works = dist.batch_isend_irecv(ops)
                 except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
-                    raise PeerFailure(f"rank {self.rank}: {what!r}: posting an exchange with peers "
+                    raise PeerFailure(f"{self.who}: {what!r}: posting an exchange with peers "
                                       f"{peers} failed: {exc}") from exc
         for t, p in sends:
             self.counter.count(p, t.numel() * t.element_size())
@@ -159,7 +175,7 @@ class P2PCommunicator(TwoSided):
                    what: str, queue: str = "other") -> None:
         """Chunk ``j`` of ``inp`` (dim 0) goes to ``ranks[j]``; chunk ``j`` of ``out`` comes from it."""
         if self.rank not in ranks or len(set(ranks)) != len(ranks):
-            raise ValueError(f"rank {self.rank}: all_to_all group {ranks} must hold distinct "
+            raise ValueError(f"{self.who}: all_to_all group {ranks} must hold distinct "
                              "ranks including mine")
         n = len(ranks)
         if inp.shape != out.shape or inp.shape[0] % n:

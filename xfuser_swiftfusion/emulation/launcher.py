@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .netns import LinkSpec, Network, emulated_network, enter_machine
 from ..topology import TOPOLOGY_ENV, Topology
+from ..strategies import specs
 
 
 class EmulationError(RuntimeError):
@@ -100,6 +101,9 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
     world = topo.world_size
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world)
+    # entry-point strategies load once here: ranks importing them concurrently after the fork
+    # can meet half-initialised modules (xFuser's model modules import each other)
+    specs()
     ctx = mp.get_context("fork")
     port = free_port()
     env = dict(env or {})

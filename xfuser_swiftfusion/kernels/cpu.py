@@ -11,6 +11,12 @@ output of a many-chunk call to about one group's size.
 ``_scaled_dot_product_flash_attention_for_cpu`` (torch 2.13) crashes the process (SIGFPE) on
 Lq = 0 or Lk = 0: empty chunks never reach it. Its output for a query row holding a NaN is
 NaN or 0 depending on Lk and the CPU (AVX2 / AVX-512): we make it NaN, as softmax math does.
+
+Grouped-query attention (K/V with fewer heads than Q): K/V heads are repeated
+(``repeat_interleave``) to the query heads after joining. Key masks: the op takes an additive
+float mask in the query dtype (not a boolean one), ``[B, 1, 1, Lk]`` broadcast; for a batch
+entry whose keys are all masked it returns output 0 and LSE 0, which ``merge_masked_``
+replaces by LSE -inf.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .state import AttnState, merge_partial_, nonempty
+from .state import AttnState, joined_key_mask, key_bias, merge_masked_, merge_partial_, nonempty, repeat_kv
 
 _sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BIG_TILE_ROWS = 768  # from this query length on the op tiles queries by 256 rows (64 below)
@@ -34,24 +40,36 @@ def attend_cpu(
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
     states: Sequence[AttnState],
     scale: float,
+    key_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against all
-    ``kv_chunks`` (K_j, V_j each [B, H, Lk_j, D]). Inputs must share one dtype."""
+    ``kv_chunks`` (K_j, V_j each [B, H_kv, Lk_j, D], H_kv dividing H; query head i uses K/V
+    head i // (H / H_kv)). ``key_masks[j]``: [B, Lk_j] bool (True = attend) or None. Inputs
+    must share one dtype."""
+    key_masks = [m for (k, _), m in zip(kv_chunks, key_masks)
+                 if k.shape[2] > 0] if key_masks is not None else None
     kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
     if not kv_chunks or not work:
         return
-    k = _joined([k for k, _ in kv_chunks])  # [B, H, sum Lk_j, D]
-    v = _joined([v for _, v in kv_chunks])  # [B, H, sum Lk_j, D]
+    H = work[0][0].shape[1]
+    k = repeat_kv(_joined([k for k, _ in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
+    v = repeat_kv(_joined([v for _, v in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
+    mask = joined_key_mask(key_masks, kv_chunks)  # [B, sum Lk_j] or None
+    bias = None if mask is None else key_bias(mask, k.dtype)  # [B, 1, 1, sum Lk_j]
+    dead = None if mask is None else ~mask.any(dim=1)  # [B]: every key masked
     for group in _groups(work):
         q = _joined([q for q, _ in group])  # [B, H, sum Lq_i, D]
-        out, lse = _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, scale=scale)[:2]
+        out, lse = _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=bias, scale=scale)[:2]
         # a query row holding a NaN: the op returns NaN or (out 0, LSE 0) depending on Lk and
         # the CPU's vector width; softmax math gives NaN, and so do we (it then poisons the merge)
         lse = lse.masked_fill(q.isnan().any(dim=-1), float("nan"))
         lengths = [c.shape[2] for c, _ in group]
         # [B, H, sum Lq_i, D] -> chunk i's rows [B, H, Lq_i, D] (views)
         for (_, state), o, l in zip(group, out.split(lengths, dim=2), lse.split(lengths, dim=2)):
-            merge_partial_(state, o, l)
+            if dead is None:
+                merge_partial_(state, o, l)
+            else:
+                merge_masked_(state, o, l, dead)
 
 
 def _groups(work: list) -> list[list]:

@@ -14,10 +14,18 @@ The choice is made per call from the device and the (head dim, dtype) of the inp
 of ("triton", "flash", "torch") on CUDA (("cpu",) elsewhere) that is installed and supports
 the shape. An explicit request that cannot run the shape is an error naming the constraint.
 Choices are cached per (device, head dim, dtype) and logged once.
+
+Grouped-query attention: K/V chunks may have fewer heads H_kv (dividing the query heads H);
+query head i uses K/V head i // (H / H_kv). triton and flash read the shared K/V heads in
+place; torch and cpu repeat them. Key masks (``key_masks``, one ``[B, Lk_j]`` bool per K/V
+chunk, True = attend) run on the backends with a key mask and an LSE: "cpu" on CPU tensors,
+"torch" (memory-efficient attention with an additive bias) on CUDA. A masked call whose
+chosen backend is triton or flash runs there instead (a per-call choice, logged once).
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 
@@ -187,7 +195,22 @@ def attend_calls() -> int:
     return _calls
 
 
-def _check_args(q_chunks, kv_chunks, states, out) -> None:
+MASK_BACKENDS = {"cuda": "torch"}  # device type -> backend of key-masked calls (else "cpu")
+
+
+def masked_backend(device: torch.device, backend: str) -> str:
+    """The backend a key-masked call runs on where ``backend`` was chosen for the shape:
+    ``backend`` itself if it takes a key mask, else the device's mask backend (logged once)."""
+    if backend in ("cpu", "torch"):
+        return backend
+    name = MASK_BACKENDS.get(device.type, "cpu")
+    log_once(logger, f"kernel-mask-{device.type}-{backend}",
+             f"kernel {backend} has no key mask: key-masked attention calls run on {name}",
+             logging.INFO)
+    return name
+
+
+def _check_args(q_chunks, kv_chunks, states, out, key_masks=None) -> None:
     """Shapes, dtypes and devices; every backend relies on these."""
     if len(states) != len(q_chunks) or (out is not None and len(out) != len(q_chunks)):
         raise ValueError("need one state (and one output, if given) per Q chunk")
@@ -202,9 +225,19 @@ def _check_args(q_chunks, kv_chunks, states, out) -> None:
             raise TypeError("AttnState tensors must be fp32 on the device of the queries")
         if out is not None and out[i].shape != q.shape:
             raise ValueError(f"output {tuple(out[i].shape)} does not match its Q chunk {tuple(q.shape)}")
+    heads_kv = {k.shape[1] for k, _ in kv_chunks if k.dim() == 4}
     for k, v in kv_chunks:
-        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, H, D):
-            raise ValueError(f"K {tuple(k.shape)} / V {tuple(v.shape)} do not match [B={B}, H={H}, L, D={D}]")
+        if (k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[3]) != (B, D)
+                or len(heads_kv) > 1 or k.shape[1] == 0 or H % k.shape[1]):
+            raise ValueError(f"K {tuple(k.shape)} / V {tuple(v.shape)} do not match [B={B}, H_kv, L, D={D}] "
+                             f"with one H_kv dividing H={H} for all chunks (got H_kv {sorted(heads_kv)})")
+    if key_masks is not None:
+        if len(key_masks) != len(kv_chunks):
+            raise ValueError(f"need one key mask (or None) per K/V chunk: {len(key_masks)} for {len(kv_chunks)}")
+        for m, (k, _) in zip(key_masks, kv_chunks):
+            if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (B, k.shape[2]) or m.device != device):
+                raise ValueError(f"a key mask must be bool [B={B}, Lk={k.shape[2]}] on {device}, got "
+                                 f"{m.dtype} {tuple(m.shape)} on {m.device}")
     inputs = [*q_chunks, *(t for kv in kv_chunks for t in kv)]
     if len({t.dtype for t in inputs}) > 1:
         raise TypeError(f"Q, K and V chunks must share one dtype, got {sorted({str(t.dtype) for t in inputs})}")
@@ -220,22 +253,30 @@ def attend(
     scale: float,
     finalize: bool = False,
     out: Sequence[torch.Tensor] | None = None,
+    key_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor] | None:
     """Full (non-causal) attention of every Q chunk [B, H, Lq_i, D] against every KV chunk
-    (K_j, V_j) [B, H, Lk_j, D], merged into ``states[i]`` in place.
+    (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing H: query head i uses K/V head
+    i // (H / H_kv)), merged into ``states[i]`` in place.
 
-    Lengths may be anything, including 0; ``kv_chunks`` may be empty. With ``finalize``, also
-    returns the outputs acc / l [B, H, Lq_i, D] in the query dtype (written into ``out[i]`` if
-    given); rows that saw no keys at all output 0. Without ``finalize`` returns None.
+    ``key_masks``: None, or per KV chunk a bool ``[B, Lk_j]`` (True = attend) or None (every
+    key); masked keys are excluded, and a row whose keys in this call are all masked gains
+    nothing (its partial LSE is -inf). Lengths may be anything, including 0; ``kv_chunks``
+    may be empty. With ``finalize``, also returns the outputs acc / l [B, H, Lq_i, D] in the
+    query dtype (written into ``out[i]`` if given); rows that saw no (unmasked) keys at all
+    output 0. Without ``finalize`` returns None.
     """
     q_chunks, kv_chunks = list(q_chunks), list(kv_chunks)
     if not q_chunks:
         return [] if finalize else None
-    _check_args(q_chunks, kv_chunks, states, out)
+    key_masks = None if key_masks is None or all(m is None for m in key_masks) else list(key_masks)
+    _check_args(q_chunks, kv_chunks, states, out, key_masks)
     global _calls
     _calls += 1
     q0 = q_chunks[0]
     backend = current_backend(q0.device, q0.shape[-1], q0.dtype)
+    if key_masks is not None:
+        backend = masked_backend(q0.device, backend)
     if backend == "triton":
         from .triton_attend import attend_triton
 
@@ -248,11 +289,13 @@ def attend(
     elif backend == "torch":
         from .torch_cuda import attend_torch
 
-        attend_torch(q_chunks, kv_chunks, states, scale)
+        masked = {} if key_masks is None else {"key_masks": key_masks}
+        attend_torch(q_chunks, kv_chunks, states, scale, **masked)
     else:
         from .cpu import attend_cpu
 
-        attend_cpu(q_chunks, kv_chunks, states, scale)
+        masked = {} if key_masks is None else {"key_masks": key_masks}
+        attend_cpu(q_chunks, kv_chunks, states, scale, **masked)
     if not finalize:
         return None
     return [finalize_state(s, q.dtype, None if out is None else out[i]) for i, (q, s) in enumerate(zip(q_chunks, states))]

@@ -4,7 +4,10 @@ its (out, lse) is merged into the chunk's state. ``flash_attn`` is imported lazi
 module imports without it.
 
 flash-attn 2 runs fp16/bf16 with D <= 256 and a multiple of 8 on sm_80 or newer (the
-dispatcher checks this before choosing the backend).
+dispatcher checks this before choosing the backend). Grouped-query attention runs natively:
+``flash_attn_func`` takes K/V with H_kv heads dividing the query heads H, query head i using
+K/V head i // (H / H_kv), the convention of ``kernels.attend``. Key-masked calls never come
+here (the dispatcher runs them on a backend with a key mask).
 """
 from __future__ import annotations
 
@@ -49,14 +52,14 @@ def attend_flash(
     scale: float,
 ) -> None:
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against every
-    (K_j, V_j) [B, H, Lk_j, D]: one flash-attn call per non-empty Q chunk on the concatenated
-    K/V; fp16/bf16 CUDA tensors."""
+    (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing H): one flash-attn call per non-empty Q chunk
+    on the concatenated K/V; fp16/bf16 CUDA tensors."""
     kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
     if not kv_chunks or not work:
         return
     flash_attn_func = _flash_attn_func()
-    k = _blhd([k for k, _ in kv_chunks])  # [B, sum Lk_j, H, D]
-    v = _blhd([v for _, v in kv_chunks])  # [B, sum Lk_j, H, D]
+    k = _blhd([k for k, _ in kv_chunks])  # [B, sum Lk_j, H_kv, D]
+    v = _blhd([v for _, v in kv_chunks])  # [B, sum Lk_j, H_kv, D]
     for q, state in work:
         out, lse, _ = flash_attn_func(
             q.transpose(1, 2),  # [B, H, Lq, D] -> [B, Lq, H, D]

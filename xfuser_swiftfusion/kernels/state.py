@@ -95,3 +95,41 @@ def nonempty(q_chunks: Sequence[torch.Tensor], kv_chunks: Sequence[tuple[torch.T
     attends (either list empty: nothing to do; torch's CPU and CUDA ops fail on Lq or Lk 0)."""
     return ([(k, v) for k, v in kv_chunks if k.shape[2] > 0],
             [(q, s) for q, s in zip(q_chunks, states) if q.numel() > 0])
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V ``[B, h_kv, L, D]`` -> ``[B, heads, L, D]``: query head i uses K/V head
+    ``i // (heads / h_kv)`` (grouped-query attention); ``x`` itself when ``h_kv == heads``."""
+    rep = heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)  # [B, h_kv, L, D] -> [B, heads, L, D]
+
+
+def joined_key_mask(key_masks: Sequence[torch.Tensor | None] | None,
+                    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """The key masks of ``kv_chunks`` (``[B, Lk_j]`` bool, True = attend; None = every key)
+    joined along the keys ``[B, sum Lk_j]``; None when no chunk has a mask."""
+    if key_masks is None or all(m is None for m in key_masks):
+        return None
+    parts = [torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if m is None else m
+             for (k, _), m in zip(kv_chunks, key_masks)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def key_bias(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
+    """Additive bias ``[B, 1, 1, Lk]`` in ``dtype`` of a key mask ``[B, Lk]`` (0 where True,
+    -inf where False). With ``align`` > 1 the storage is ``[B, 1, 1, ceil(Lk / align) * align]``
+    and the result its first Lk columns (as torch's SDPA front end pads memory-efficient biases)."""
+    B, Lk = mask.shape
+    padded = -(-Lk // align) * align
+    bias = torch.zeros(B, 1, 1, padded, dtype=dtype, device=mask.device)
+    bias[..., :Lk].masked_fill_(~mask[:, None, None, :], float("-inf"))
+    return bias[..., :Lk]
+
+
+def merge_masked_(state: AttnState, out: torch.Tensor, lse: torch.Tensor, dead: torch.Tensor) -> None:
+    """``merge_partial_`` of a key-masked partial result: batch entries ``dead`` ([B] bool,
+    every key of the call masked) contribute nothing (LSE -inf, output 0), whatever the op
+    returned for them (ops return LSE 0 or NaN rows there)."""
+    lse = lse.masked_fill(dead[:, None, None], float("-inf"))  # no host sync
+    out = out.masked_fill(dead[:, None, None, None], 0.0)
+    merge_partial_(state, out, lse)

@@ -9,6 +9,10 @@ One launch computes every Q chunk against every KV chunk and merges into the run
   epilogue) and stores the state back; when finalizing it also stores acc / l in the query
   dtype (rows with l == 0 output 0).
 
+Grouped-query attention: K/V chunks ``[B, H_kv, Lk, D]`` (H_kv dividing H) are read in place,
+query head h reading K/V head ``h // REP`` (``REP = H / H_kv``, a compile-time constant: one
+kernel variant per ratio, the ``REP = 1`` one identical to plain multi-head attention).
+
 Chunks live in different buffers, so the kernel receives one int64 table of raw addresses and
 element strides (layout next to ``NQF`` / ``NKF``) and casts addresses to typed pointers
 in the kernel. Tensors are [B, H, L, D] views with unit stride along D, 16-byte aligned, and
@@ -78,6 +82,7 @@ def _multi_chunk_attn_kernel(
     BLOCK_N: tl.constexpr,
     FINALIZE: tl.constexpr,
     UPCAST: tl.constexpr,  # compute tiles in fp32 (interpreter only)
+    REP: tl.constexpr = 1,  # query heads per K/V head (grouped-query attention)
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -111,13 +116,17 @@ def _multi_chunk_attn_kernel(
     #    units (as stored); exponentials are exp2 of one FMA per score. --
     qk_scale = scale * LOG2E
     kv_table = table + n_q * NQF
+    if REP == 1:  # compile-time branch: the MHA kernel is unchanged
+        h_kv = h
+    else:  # grouped-query attention: query head h reads K/V head h // REP
+        h_kv = h // REP
     for j in range(0, n_kv):
         kv_row = kv_table + j * NKF
         len_kv = tl.load(kv_row + F_LK)
         for start_n in range(0, len_kv, BLOCK_N):
             mask_n = start_n + tl.arange(0, BLOCK_N) < len_kv
-            k = tl.load(_tile(kv_row, F_K, DTYPE, b, h, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
-            v = tl.load(_tile(kv_row, F_V, DTYPE, b, h, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
+            k = tl.load(_tile(kv_row, F_K, DTYPE, b, h_kv, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
+            v = tl.load(_tile(kv_row, F_V, DTYPE, b, h_kv, start_n, BLOCK_N, HEAD_DIM), mask=mask_n[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -278,7 +287,8 @@ def attend_triton(
 ) -> None:
     """Update ``states`` (and write ``out`` when given) in ONE kernel launch.
 
-    q_chunks[i]: [B, H, Lq_i, D]; kv_chunks[j]: (K_j, V_j) [B, H, Lk_j, D]; all one dtype
+    q_chunks[i]: [B, H, Lq_i, D]; kv_chunks[j]: (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing
+    H; query head h reads K/V head h // (H / H_kv), no copy); all one dtype
     (fp16/bf16 on GPU; fp32 too under the interpreter); D in {32, 64, 128}. Inputs that are
     not kernel-ready (see ``_kernel_ready``) are copied; ``states[i].acc`` and ``out[i]``
     ([B, H, Lq_i, D], query dtype, receives acc / l) are written in place, so they must be
@@ -328,17 +338,22 @@ def attend_triton(
         n_kv += 1
     if n_q == 0 or B * H == 0:
         return
+    heads_kv = {k.shape[1] for k, _ in kv_chunks}
+    if len(heads_kv) > 1 or any(H % x for x in heads_kv):
+        raise ValueError(f"triton backend needs one K/V head count dividing H={H}, got {sorted(heads_kv)}")
+    rep = H // heads_kv.pop() if heads_kv else 1
+    gqa = {"rep": rep} if rep > 1 else {}  # REP = H / H_kv, a kernel constant
     if n_kv == 0:  # nothing to attend to: the states stay as they are
         for s, o in zip(states, out or []):
             finalize(s, dtype, o)
         return
     try:
-        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, out is not None, interp, device)
+        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, out is not None, interp, device, **gqa)
     except OutOfResources:  # raised before anything runs
         if interp or cfg == SAFE_CONFIG:
             raise
         _rejected.add((device.index, cfg))
-        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, SAFE_CONFIG, out is not None, interp, device)
+        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, SAFE_CONFIG, out is not None, interp, device, **gqa)
     del keep  # freed memory is reused only by work queued after this launch on the stream
 
 
@@ -352,14 +367,15 @@ def _set_first_tiles(rows: list[int], n_q: int, block_m: int) -> int:
     return n_tiles
 
 
-def _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg: KernelConfig, finalizing: bool, interp: bool, device) -> None:
+def _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg: KernelConfig, finalizing: bool, interp: bool, device,
+            rep: int = 1) -> None:
     """One launch of the kernel over the chunk table ``rows`` with configuration ``cfg``."""
     n_tiles = _set_first_tiles(rows, n_q, cfg.block_m)
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     _multi_chunk_attn_kernel[(n_tiles, B, H)](
         table, n_q, n_kv, scale,
         DTYPE=_TL_DTYPES[dtype], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        FINALIZE=finalizing, UPCAST=interp,
+        FINALIZE=finalizing, UPCAST=interp, REP=rep,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -367,9 +383,11 @@ def _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg: KernelConfig, finalizin
 # ---------------------------------------------------------------------------------------
 # Ahead-of-time compilation (no GPU needed): used by tests and BENCHMARKS.md.
 # ---------------------------------------------------------------------------------------
-def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = True, cfg: KernelConfig | None = None):
+def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = True, cfg: KernelConfig | None = None,
+                rep: int = 1):
     """Compile the kernel for ``sm_<arch>`` without a GPU; returns triton's CompiledKernel
-    (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` in bytes)."""
+    (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` in bytes). ``rep``: query heads
+    per K/V head."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -379,7 +397,7 @@ def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = T
         signature={"table": "*i64", "n_q": "i32", "n_kv": "i32", "scale": "fp32"},
         constexprs={
             "DTYPE": _TL_DTYPES[dtype], "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n, "FINALIZE": finalize, "UPCAST": False,
+            "BLOCK_N": cfg.block_n, "FINALIZE": finalize, "UPCAST": False, "REP": rep,
         },
     )  # fmt: skip
     return triton.compile(

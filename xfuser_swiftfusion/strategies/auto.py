@@ -19,12 +19,12 @@ from dataclasses import replace
 import torch
 
 from ..cost_model import Workload, candidates, get_profile, recommend
-from ..groups import build_groups
 from ..log import get_logger, log_once
-from ..mesh import choose_mesh
+from ..mesh import Mesh, choose_mesh
 from ..topology import Topology
-from .layout import Joint
-from .registry import BuildArgs, Strategy, StrategySpec, get, register
+from .layout import Joint, KeyMask
+from .padded import build_padded, padding_message
+from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register
 
 logger = get_logger(__name__)
 
@@ -38,7 +38,7 @@ def hardware_profile_name(device: torch.device) -> str:
 
 
 def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
-           external: bool = True):
+           external: bool = True, pad_heads: bool = True):
     """The model's pick for local queries ``q`` [B, H, S_local, D] (pure: same on every rank);
     text tokens are not modelled (they add the same replicated work to every strategy).
     ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use;
@@ -47,56 +47,74 @@ def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int
     dtype = DTYPES.get(q.dtype, "fp32")
     w = Workload(B, S * topology.world_size, num_heads, D, dtype)
     profile = get_profile(hardware_profile_name(q.device), topology)
-    return (recommend(topology, w, profile, usp_ulysses, external),
-            candidates(topology, w, profile), profile.name)
+    return (recommend(topology, w, profile, usp_ulysses, external, pad_heads),
+            candidates(topology, w, profile, pad_heads), profile.name)
 
 
 class AutoAttention:
-    """Callable ``(q, k, v, joint, scale)`` under the USP contract; delegates to the child
+    """Callable ``(q, k, v, joint, scale, key_mask=)`` under the USP contract (K/V may have
+    fewer heads, ``layout``); delegates to the child
     strategy the model picks per input signature. Children are built (collectively) at the
     first call that picks them, from the parent's ``BuildArgs`` with their own mesh, and are
     shared between signatures that pick the same (strategy, Ulysses degree).
     ``args.options``: ``usp_ulysses``, the Ulysses degree of xFuser's existing groups, if any;
-    ``external`` (default True), False to never pick a strategy on xFuser's groups."""
+    ``external`` (default True), False to never pick a strategy on xFuser's groups; the
+    children get every option (``fp8_comms`` included; the cost model prices compute-dtype
+    transfers)."""
 
     def __init__(self, args: BuildArgs) -> None:
         self.args = args
         self.topology, self.num_heads, self.rank = args.mesh.topology, args.num_heads, args.rank
         self.comms: list = []
         self._by_signature: dict[tuple, Strategy] = {}
-        self._children: dict[tuple[str, int], Strategy] = {}
+        self._children: dict[tuple[str, int, int], Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
+        self.meshes: dict[tuple[str, int, int], Mesh] = {}  # (strategy, ulysses, heads) -> mesh
 
-    def _child(self, name: str, ulysses: int) -> Strategy:
-        key = (name, ulysses)
+    def _child(self, name: str, ulysses: int, heads: int) -> Strategy:
+        key = (name, ulysses, heads)
         if key not in self._children:
             spec = get(name)
-            mesh = choose_mesh(self.topology, self.num_heads, spec.placement, ulysses)
-            child = spec.resolve(mesh).build(
-                replace(self.args, mesh=mesh, groups=build_groups(mesh, self.rank)))
+            if heads == self.num_heads:
+                mesh = choose_mesh(self.topology, self.num_heads, spec.placement, ulysses)
+                child = spec.resolve(mesh).build(
+                    replace(self.args, mesh=mesh, groups=self.args.groups.for_mesh(mesh)))
+            else:  # zero-padded heads so the Torus schedule runs (strategies/padded.py)
+                mesh = choose_mesh(self.topology, heads, spec.placement)
+                if self.rank == 0:
+                    log_once(logger, f"auto-pad-{name}-{self.num_heads}-{self.topology}",
+                             padding_message(self.num_heads, heads, self.topology, f"auto: {name}"))
+                child = build_padded(spec, replace(self.args, mesh=mesh,
+                                                   groups=self.args.groups.for_mesh(mesh)), heads)
+            self.meshes[key] = mesh
             self._children[key] = child
             self.comms.extend(c for c in child.comms if c not in self.comms)
         return self._children[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 joint: Joint | None, scale: float) -> torch.Tensor:
+                 joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
         Tj = joint.length if joint is not None else 0
-        sig = (tuple(q.shape), q.dtype, q.device.type, Tj)
+        masked = key_mask is not None
+        sig = (tuple(q.shape), q.dtype, q.device.type, Tj, masked)
         child = self._by_signature.get(sig)
         if child is None:
+            # a key mask runs only on the core strategies, not on xFuser's groups
             best, cands, profile = choose(self.topology, self.num_heads, q,
                                           self.args.options.get("usp_ulysses"),
-                                          self.args.options.get("external", True))
+                                          self.args.options.get("external", True) and not masked,
+                                          self.args.options.get("pad_heads", True))
             key = (best.strategy, best.ulysses)
-            child = self._by_signature[sig] = self._child(*key)
+            child = self._by_signature[sig] = self._child(*key, best.heads)
             self.choices[sig] = key
-            alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring} {p.latency_s * 1e3:.2f} ms"
+            alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring}"
+                             f"{f' ({p.heads} heads)' if p.padded else ''} {p.latency_s * 1e3:.2f} ms"
                              for p in sorted(cands, key=lambda p: p.latency_s))
             log_once(logger, f"auto-{sig}",
                      f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
                      f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
                      f"({profile} profile); predicted per layer: {alts}", logging.INFO)
-        return child(q, k, v, joint, scale)
+        k, v, joint, kwargs = call_args(child.spec, q, k, v, joint, key_mask)
+        return child(q, k, v, joint, scale, **kwargs)
 
     def close(self, failed: bool) -> None:
         for child in self._children.values():
@@ -105,5 +123,5 @@ class AutoAttention:
 
 SPEC = register(StrategySpec(
     "auto", "tas", "the strategy and Ulysses degree the cost model predicts fastest per shape",
-    build=AutoAttention, schedule=None, order=4))
+    build=AutoAttention, schedule=None, order=4, native=NATIVE))
 AutoAttention.spec = SPEC

@@ -5,13 +5,28 @@ tokens ``[i*S, (i+1)*S)``; joint (text) tensors are replicated ``[B, H, Tj, D]``
 output is ``[B, H, Tj + S, D]`` with the text rows first (``"front"``) or last (``"rear"``).
 
 Head group ``g`` of ``G`` is heads ``[g*h, (g+1)*h)``, ``h = H / G``.
+
+Grouped-query attention: ``k, v`` (and joint ``k, v``) may be ``[B, H_kv, S, D]`` with H_kv
+dividing H; query head i uses K/V head ``i // (H / H_kv)``. Query head group g then needs K/V
+heads ``[g*h_kv, (g+1)*h_kv)``, ``h_kv = H_kv / G``, when ``G`` divides H_kv: K/V travel with
+their own heads (``grouped_kv``), else they are first repeated to ``lcm(H_kv, G)`` heads.
+
+Key-padding mask (``KeyMask``): bool ``[B, L]`` over the sharded sequence (True = attend),
+replicated on every rank; the keys of rank p are columns ``[p*S, (p+1)*S)``. Text keys may
+have their own ``[B, Tj]`` mask.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import math
+
 import torch
+
+from ..log import get_logger, log_once
+
+logger = get_logger(__name__)
 
 JOINT_STRATEGIES = ("front", "rear")
 
@@ -22,7 +37,7 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class Joint:
-    """Replicated text tokens: ``q, k, v`` are ``[B, H, Tj, D]``."""
+    """Replicated text tokens: ``q`` is ``[B, H, Tj, D]``, ``k, v`` ``[B, H_kv, Tj, D]``."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -34,9 +49,25 @@ class Joint:
         return self.q.shape[2]
 
     def head_group(self, g: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views ``[B, h, Tj, D]`` of head group ``g``."""
-        h = self.q.shape[1] // groups
-        return tuple(x[:, g * h:(g + 1) * h] for x in (self.q, self.k, self.v))
+        """Views of head group ``g``: queries ``[B, h, Tj, D]``, K/V ``[B, h_kv, Tj, D]``
+        (each split into ``groups`` by its own head count)."""
+        return tuple(x[:, g * (x.shape[1] // groups):(g + 1) * (x.shape[1] // groups)]
+                     for x in (self.q, self.k, self.v))
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """A replicated key-padding mask: ``tokens`` bool ``[B, L]`` over the sharded sequence
+    (rank p's keys are columns ``[p*S, (p+1)*S)``), ``text`` bool ``[B, Tj]`` over the joint
+    (text) keys or None (every text key attends). True = attend."""
+
+    tokens: torch.Tensor | None
+    S: int
+    text: torch.Tensor | None = None
+
+    def chunk(self, rank: int) -> torch.Tensor | None:
+        """``[B, S]`` view: the mask of the keys rank ``rank`` holds (None: no token mask)."""
+        return None if self.tokens is None else self.tokens[:, rank * self.S:(rank + 1) * self.S]
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
@@ -48,10 +79,12 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: i
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise InputError(f"{name} must be a 4-D tensor [B, H, S_local, D], got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
-    if not (q.shape == k.shape == v.shape):
-        raise InputError(f"query/key/value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}; all must be [B, H, S_local, D] with the same sizes "
-                         "(GQA is not supported by this strategy: repeat K/V heads first)")
+    if (k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3])
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        raise InputError(f"query/key/value shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
+                         "do not fit: query is [B, H, S_local, D] and key/value [B, H_kv, S_local, D] "
+                         "with the same B, S_local, D and H_kv dividing H (grouped-query attention: "
+                         "query head i uses K/V head i // (H / H_kv))")
     if not (q.dtype == k.dtype == v.dtype):
         raise InputError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -59,6 +92,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: i
     if not q.dtype.is_floating_point:
         raise InputError(f"attention needs floating-point inputs, got {q.dtype}")
     B, H, S, D = q.shape
+    Hkv = k.shape[1]
     if H != num_heads:
         raise InputError(f"query has {H} heads but the context was initialised with "
                          f"num_heads={num_heads}; pass the model's head count to init_sequence_parallel")
@@ -75,16 +109,78 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: i
                          f"{['joint_query', 'joint_key', 'joint_value'][given.index(False)] if not all(given) else 'joint_strategy=None'} missing)")
     if joint_strategy not in JOINT_STRATEGIES:
         raise InputError(f"joint_strategy must be one of {JOINT_STRATEGIES}, got {joint_strategy!r}")
-    for name, x in (("joint_query", joint_query), ("joint_key", joint_key), ("joint_value", joint_value)):
-        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
-            raise InputError(f"{name} must be [B={B}, H={H}, T, D={D}] (replicated on every rank), "
-                             f"got {tuple(x.shape)}")
+    for name, x, heads in (("joint_query", joint_query, H), ("joint_key", joint_key, Hkv),
+                           ("joint_value", joint_value, Hkv)):
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != heads or x.shape[3] != D:
+            raise InputError(f"{name} must be [B={B}, {heads} heads (as {name.split('_')[1]}), T, D={D}] "
+                             f"(replicated on every rank), got {tuple(x.shape)}")
         if x.dtype != q.dtype or x.device != q.device:
             raise InputError(f"{name} is {x.dtype} on {x.device}; query is {q.dtype} on {q.device}")
-    if not (joint_query.shape == joint_key.shape == joint_value.shape):
+    if not (joint_query.shape[2] == joint_key.shape[2] and joint_key.shape == joint_value.shape):
         raise InputError(f"joint tensor shapes differ: {tuple(joint_query.shape)}, "
                          f"{tuple(joint_key.shape)}, {tuple(joint_value.shape)}")
     return Joint(joint_query, joint_key, joint_value, joint_strategy)
+
+
+def check_key_mask(key_mask: torch.Tensor | None, joint_key_mask: torch.Tensor | None,
+                   q: torch.Tensor, world: int, joint: Joint | None) -> KeyMask | None:
+    """The key masks of a call as a ``KeyMask`` (None: no mask). ``key_mask``: bool
+    ``[B, L]`` or xFuser's ``[B, 1, 1, L]``, ``L = world * S_local`` (the sharded sequence);
+    ``joint_key_mask``: bool ``[B, Tj]`` (or ``[B, 1, 1, Tj]``) over the text keys."""
+    if key_mask is None and joint_key_mask is None:
+        return None
+    B, _, S, _ = q.shape
+
+    def canon(m: torch.Tensor, L: int, name: str, what: str) -> torch.Tensor:
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            raise InputError(f"{name} must be a bool tensor (True = attend), got "
+                             f"{getattr(m, 'dtype', type(m).__name__)}; additive float masks are "
+                             "not supported")
+        if m.dim() == 4 and m.shape[1:3] == (1, 1):
+            m = m[:, 0, 0]  # [B, 1, 1, L] -> [B, L]
+        if tuple(m.shape) != (B, L):
+            raise InputError(f"{name} must be [B={B}, L={L}] ({what}) or [B, 1, 1, L], got "
+                             f"{tuple(m.shape)}")
+        if m.device != q.device:
+            raise InputError(f"{name} is on {m.device}; query is on {q.device}")
+        return m
+
+    tokens = None if key_mask is None else canon(
+        key_mask, world * S, "key_mask", f"the sharded sequence: {world} ranks x S_local={S}")
+    text = None
+    if joint_key_mask is not None:
+        if joint is None:
+            raise InputError("joint_key_mask needs joint (text) tensors")
+        text = canon(joint_key_mask, joint.length, "joint_key_mask", "the joint text keys")
+    return KeyMask(tokens, S, text)
+
+
+def kv_heads_for(heads: int, heads_kv: int, groups: int) -> int:
+    """The fewest K/V heads, a multiple of ``heads_kv``, that split into ``groups`` head
+    groups matching the query head groups: ``lcm(heads_kv, groups)`` (it divides ``heads``,
+    which both divide)."""
+    return math.lcm(heads_kv, groups)
+
+
+def grouped_kv(k: torch.Tensor, v: torch.Tensor, joint: Joint | None, heads: int, groups: int,
+               who: str) -> tuple[torch.Tensor, torch.Tensor, Joint | None]:
+    """``(k, v, joint)`` whose K/V heads split into ``groups`` query head groups: unchanged
+    when ``groups`` divides H_kv, else K/V (and the text K/V) repeated to
+    ``kv_heads_for(...)`` heads, logged once with the cost."""
+    Hkv = k.shape[1]
+    want = kv_heads_for(heads, Hkv, groups)
+    if want == Hkv:
+        return k, v, joint
+    f = want // Hkv
+    log_once(logger, f"gqa-expand-{who}-{heads}-{Hkv}-{groups}",
+             f"{who}: {Hkv} K/V heads do not split into {groups} head groups; K/V repeated to "
+             f"{want} heads before the exchange ({f}x the K/V bytes of {Hkv} heads, "
+             f"{want}/{heads} of full multi-head K/V); a head-group count dividing {Hkv} "
+             "moves them unexpanded")
+    rep = lambda x: x.repeat_interleave(f, dim=1)  # noqa: E731  [B, H_kv, L, D] -> [B, want, L, D]
+    if joint is not None:
+        joint = Joint(joint.q, rep(joint.k), rep(joint.v), joint.strategy)
+    return rep(k), rep(v), joint
 
 
 def split_heads(x: torch.Tensor, *groups: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from ..groups import SPGroups
 from ..log import get_logger, log_once
 from ..mesh import Mesh
-from .layout import Joint
+from .layout import InputError, Joint, KeyMask
 
 logger = get_logger(__name__)
 
@@ -31,7 +31,9 @@ ENTRY_POINT_GROUP = "xfuser_swiftfusion.strategies"
 
 class Strategy(Protocol):
     """One sequence-parallel attention bound to its groups (the USP contract):
-    ``[B, H, S_local, D]`` in, ``[B, H, Tj + S_local, D]`` out (text rows as ``joint`` says)."""
+    ``[B, H, S_local, D]`` in, ``[B, H, Tj + S_local, D]`` out (text rows as ``joint`` says).
+    A spec with ``native`` features also takes K/V ``[B, H_kv, S_local, D]`` (``"gqa"``) and
+    a ``key_mask=`` keyword (``"key_mask"``); ``call_args`` adapts calls to the others."""
 
     spec: "StrategySpec"          # what runs (after any resolution)
     comms: list                   # communicators it owns (counters, heap, close)
@@ -54,7 +56,9 @@ class BuildArgs:
     timeout_s: float
     one_sided: Callable[[], Any]          # collective factory of the one-sided communicator
     two_sided: Callable[[], Any]          # collective factory of the two-sided communicator
-    options: dict = field(default_factory=dict)  # spec-specific (auto: usp's fixed degree)
+    # spec-specific: auto's ``usp_ulysses``/``external``; ``fp8_comms`` (tas, torus,
+    # swiftfusion, auto's children): inter-machine Q, K, V, O as FP8 with scales (``fp8.py``)
+    options: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class StrategySpec:
     inside one machine; elsewhere ``fallback`` runs. ``baseline``: what ``auto`` must never be
     predicted slower than. ``external_groups``: runs on groups built outside this package
     (xFuser's), whose degrees are fixed once built. ``order``: tie-break rank and listing order.
+    ``native``: call features it runs itself (``"gqa"``: K/V with fewer heads, ``"key_mask"``:
+    a ``KeyMask`` keyword); ``call_args`` adapts a call to the others.
     """
 
     name: str
@@ -84,6 +90,7 @@ class StrategySpec:
     baseline: bool = False
     external_groups: bool = False
     order: int = 100
+    native: tuple[str, ...] = ()
 
     def runs_on(self, mesh: Mesh) -> bool:
         return mesh.torus_ready or not self.needs_torus
@@ -101,6 +108,32 @@ class StrategySpec:
                          f"{nxt.name!r} instead")
             spec = nxt
         return spec
+
+
+NATIVE = ("gqa", "key_mask")  # what the core strategies run natively
+
+
+def call_args(spec: StrategySpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              joint: Joint | None, key_mask: KeyMask | None
+              ) -> tuple[torch.Tensor, torch.Tensor, Joint | None, dict]:
+    """``(k, v, joint, kwargs)`` to call a strategy of ``spec`` with: K/V (and text K/V)
+    repeated to the query heads where it has no native GQA (logged once); ``kwargs`` holds
+    the key mask, which a strategy without ``"key_mask"`` cannot honour (``InputError``)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv != H and "gqa" not in spec.native:
+        log_once(logger, f"gqa-repeat-{spec.name}-{H}-{Hkv}",
+                 f"{spec.name}: no native grouped-query attention; K/V repeated from {Hkv} to {H} "
+                 f"heads ({H // Hkv}x the K/V bytes)")
+        rep = lambda x: x.repeat_interleave(H // Hkv, dim=1)  # noqa: E731  [B, H_kv, L, D] -> [B, H, L, D]
+        k, v = rep(k), rep(v)
+        if joint is not None:
+            joint = Joint(joint.q, rep(joint.k), rep(joint.v), joint.strategy)
+    if key_mask is None:
+        return k, v, joint, {}
+    if "key_mask" not in spec.native:
+        raise InputError(f"strategy {spec.name!r} cannot apply a key mask; use one of the core "
+                         "strategies (tas, torus, swiftfusion, auto)")
+    return k, v, joint, {"key_mask": key_mask}
 
 
 _REGISTRY: dict[str, StrategySpec] = {}
@@ -155,5 +188,5 @@ def modelled() -> list[StrategySpec]:
     return [s for s in specs() if s.schedule is not None]
 
 
-__all__ = ["BuildArgs", "ENTRY_POINT_GROUP", "Strategy", "StrategySpec", "get", "modelled",
+__all__ = ["BuildArgs", "NATIVE", "call_args", "ENTRY_POINT_GROUP", "Strategy", "StrategySpec", "get", "modelled",
            "names", "register", "specs"]

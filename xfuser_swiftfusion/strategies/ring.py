@@ -9,11 +9,13 @@ to the K/V block of EVERY rank of the ring group; partial results are merged int
   started on ring rank ``r - i`` is attended while it is passed on to ``r + 1``.
 - ``PullRing`` (one-sided, paper Algorithm 1 RingAttn): at step i the block of ring rank
   ``r + i`` is pulled straight from that rank's symmetric buffer while step i-1 computes.
-Both keep two receive buffers per shape, reused across calls.
+Both keep two receive buffers per shape, reused across calls. K/V may have fewer heads than
+the queries (grouped-query attention, ``kernels.attend``). ``masks``, when given, maps the ring
+rank a block started on to the key masks of its slots (``[B, S]`` bool each, or None).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,7 +54,8 @@ class _Ring:
         self.bufs = _Buffers(torch.empty_like)
 
     def __call__(self, q_chunks: list[torch.Tensor], states: list[AttnState],
-                 *block: torch.Tensor, scale: float, what: str) -> None:
+                 *block: torch.Tensor, scale: float, what: str,
+                 masks: Callable[[int], list[torch.Tensor | None]] | None = None) -> None:
         R = len(self.ranks)
         bufs = self.bufs.pair(block) if R > 1 else []
         cur = block
@@ -60,7 +63,8 @@ class _Ring:
             if i < R:
                 nxt = bufs[i % 2]
                 handles = self._fetch(i, block, cur, nxt, what=f"{what}, ring step {i}/{R - 1}")
-            attend(q_chunks, slots(*cur), states, scale=scale)
+            key_masks = None if masks is None else masks(self.origin(i))
+            attend(q_chunks, slots(*cur), states, scale=scale, key_masks=key_masks)
             if i < R:
                 for h in handles:
                     h.wait()
@@ -69,12 +73,19 @@ class _Ring:
     def _fetch(self, i: int, own, cur, dst, *, what: str) -> list[Handle]:
         raise NotImplementedError
 
+    def origin(self, i: int) -> int:
+        """Ring rank whose block is attended at step ``i`` (1..R)."""
+        raise NotImplementedError
+
 
 class PassRing(_Ring):
     """Two-sided: send the current block to ``r + 1`` while receiving from ``r - 1``, one
     exchange per step on the ``"ring"`` queue (with R = 2 both are the same peer)."""
 
     comm: TwoSided
+
+    def origin(self, i):
+        return (self.r - (i - 1)) % len(self.ranks)
 
     def _fetch(self, i, own, cur, dst, *, what):
         R = len(self.ranks)
@@ -87,6 +98,9 @@ class PullRing(_Ring):
     """One-sided: get ring rank ``r + i``'s own block (symmetric views; packed: one get)."""
 
     comm: OneSided
+
+    def origin(self, i):
+        return (self.r + (i - 1)) % len(self.ranks)
 
     def _fetch(self, i, own, cur, dst, *, what):
         peer = self.ranks[(self.r + i) % len(self.ranks)]

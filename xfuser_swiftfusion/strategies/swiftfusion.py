@@ -6,14 +6,26 @@ Symmetric buffers on every rank (``[T, U]`` grids of slots, ``layout.Slots``: im
   scattered within my machine; else pulled from machine ``a``), then its output;
 - ``QOb`` (slots): slot ``a != t`` first stages my queries for machine ``a`` to pull, then
   receives my tokens' outputs pushed back by that machine (slot ``t``: from my machine);
-- ``KVb`` ``[T, U, 2, B, h, S, D]`` (K and V of a slot adjacent, so they move in one
+- ``KVb`` ``[T, U, 2, B, h_kv, S, D]`` (h_kv = H_kv / (T*U) K/V heads, grouped-query
+  attention; K and V of a slot adjacent, so they move in one
   transfer): slot ``a != t`` staged for machine ``a``, slot ``t`` my working K/V (written only
   by the intra-machine scatter);
-- pulled ``KV`` ``[T-1, U, 2, B, h, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
+- pulled ``KV`` ``[T-1, U, 2, B, h_kv, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
   same slot on every ring peer, which shares ``t``: ring peers read them).
 Per rank that is 2 X' + (2 + 2 (T-1)/T) X (X: one rank's Q, X': with text rows). Pulled Q
 and QO/QOb are symmetric although no peer reads them because NVSHMEM's inter-machine
 transports need the local side of a transfer registered too.
+
+FP8 communication (option ``fp8_comms``, T > 1): what crosses machines moves as ``fp8.py``
+wire slots in symmetric ``uint8`` buffers, one transfer per slot as without it (scales
+appended to each slot's bytes): ``Qw`` / ``KVw`` ``[T, U, bytes]`` (slot ``a != t`` staged
+for machine ``a``; K/V one slot of two parts, two scales), ``Qr`` ``[T, U, bytes]`` / ``KVr``
+``[T-1, U, bytes]`` (pulled, as ``QO.rows`` / ``KV``), ``Ow`` / ``Or`` ``[T, U, bytes]`` (Push-O
+sources / destinations, as ``QO`` / ``QOb``). A pulled block is dequantized into ``QO.rows`` /
+``KV`` when its stage is waited for, the pushed outputs into ``QOb`` after barrier 2. The
+Pull-KV ring synchronisation is then a ring-group ``barrier``, not a ``sync``: the ring peers
+read the dequantized ``KV`` slot, which is compute (on GPU: the current stream) that a sync
+does not follow; the barrier's quiet also completes the later stages' pulls in flight.
 
 Synchronisation: one ``barrier_all`` after the intra-machine scatter, one at the end of the
 layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
@@ -38,8 +50,9 @@ import torch.distributed as dist
 from ..comm.base import Handle, OneSided
 from ..groups import SPGroups
 from ..log import get_logger, log_once
+from . import fp8
 from .layout import Slots, split_heads
-from .registry import BuildArgs, StrategySpec, get, register
+from .registry import NATIVE, BuildArgs, StrategySpec, get, register
 from .ring import PullRing
 from .torus import TorusAttention
 
@@ -49,9 +62,9 @@ logger = get_logger(__name__)
 class OneSidedTorusIO:
     """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU)."""
 
-    def __init__(self, groups: SPGroups, comm: OneSided, rank: int) -> None:
+    def __init__(self, groups: SPGroups, comm: OneSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh = mesh = groups.mesh
-        self.comm, self.rank = comm, rank
+        self.comm, self.rank, self.fp8 = comm, rank, fp8_comms and mesh.torus > 1
         self.t, self.u, self.r = mesh.coords(rank)
         self.ring_ranks = groups.ring_ranks
         self._ring = PullRing(comm, self.ring_ranks, self.r)
@@ -66,34 +79,50 @@ class OneSidedTorusIO:
         else:
             self.comm.put(dst, src, peer, queue="other", what=what)
 
-    def _alloc(self, q: torch.Tensor, text_len: int) -> dict[str, torch.Tensor | Slots]:
-        """Collective on first use of a shape: every rank allocates the same buffers in order."""
+    def _alloc(self, q: torch.Tensor, heads_kv: int, text_len: int) -> dict[str, torch.Tensor | Slots]:
+        """Collective on first use of a shape: every rank allocates the same buffers in order
+        (``heads_kv``: K/V heads, a multiple of T*U)."""
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
-        h = H // (T * U)
-        key = (tuple(q.shape), q.dtype, text_len)
+        h, h_kv = H // (T * U), heads_kv // (T * U)
+        key = (tuple(q.shape), heads_kv, q.dtype, text_len)
         if key not in self._buffers:
             sym = lambda shape: self.comm.symmetric_empty(shape, q.dtype)  # noqa: E731
             slots = lambda: Slots.alloc(sym, (T, U), B, h, S, text_len, D)  # noqa: E731
-            kv = lambda m: sym((m, U, 2, B, h, S, D))  # noqa: E731
+            kv = lambda m: sym((m, U, 2, B, h_kv, S, D))  # noqa: E731
             buf = {"QO": slots(), "QOb": slots(), "KVb": kv(T)}
             if T > 1:  # one machine: nothing to pull
                 buf["KV"] = kv(T - 1)
+            if self.fp8:  # wire slots (uint8) of what crosses machines
+                nq, nkv = B * h * S * D, B * h_kv * S * D
+                no = Slots.numel(B, h, S, text_len, D)
+                def wire(lead: tuple[int, ...], m: int, parts: int = 1) -> torch.Tensor:
+                    return fp8.wire_empty(self.comm.symmetric_empty, lead, m, parts)
+                buf |= {"Qw": wire((T, U), nq), "Qr": wire((T, U), nq),
+                        "KVw": wire((T, U), nkv, 2), "KVr": wire((T - 1, U), nkv, 2),
+                        "Ow": wire((T, U), no), "Or": wire((T, U), no)}
             self._buffers[key] = buf
         return self._buffers[key]
 
     def stage_in(self, q, k, v, text_len):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
-        self.buf = self._alloc(q, text_len)
+        self.buf = self._alloc(q, k.shape[1], text_len)
         self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
-        KVb = self.buf["KVb"]  # [T, U, 2, B, h, S, D]
-        staged = {"Q": self.Ob.rows, "K": KVb[:, :, 0], "V": KVb[:, :, 1]}  # [T, U, B, h, S, D]
-        working = {n: x[t] for n, x in staged.items()} | {"Q": self.O.rows[t]}  # [U, B, h, S, D]
-        for n, x in (("Q", q), ("K", k), ("V", v)):
-            src = split_heads(x, T, U)  # [B, H, S, D] -> [T, U, B, h, S, D] (view)
-            for a in range(T):
-                if a != t:  # step 1: slots other machines will pull from me
+        KVb = self.buf["KVb"]  # [T, U, 2, B, h_kv, S, D]
+        staged = {"Q": self.Ob.rows, "K": KVb[:, :, 0], "V": KVb[:, :, 1]}  # [T, U, B, h(_kv), S, D]
+        working = {n: x[t] for n, x in staged.items()} | {"Q": self.O.rows[t]}  # [U, B, h(_kv), S, D]
+        # [B, H(_kv), S, D] -> [T, U, B, h(_kv), S, D] (views)
+        srcs = {n: split_heads(x, T, U) for n, x in (("Q", q), ("K", k), ("V", v))}
+        for a in range(T):  # step 1: slots other machines will pull from me
+            if a == t:
+                continue
+            if self.fp8:  # [U, B, h(_kv), S, D] -> wire [U, bytes] (K and V: one slot)
+                fp8.quantize_(self.buf["Qw"][a], srcs["Q"][a])
+                fp8.quantize_(self.buf["KVw"][a], srcs["K"][a], srcs["V"][a])
+            else:
+                for n, src in srcs.items():
                     staged[n][a].copy_(src[a])
+        for n, src in srcs.items():
             for b in range(U):  # step 2: ScatterPush my slot [t, b] into GPU (t, b, r)'s [t, u]
                 self._put(working[n][u], src[t, b], self._peer(t, b), f"Ulysses scatter {n}")
         self.comm.barrier_all(what="barrier 1 (after intra-machine Ulysses scatter)")
@@ -110,6 +139,17 @@ class OneSidedTorusIO:
                                   what=f"{what}, {n} from rank {self._peer(tp, b)}")
                     for n, dst, staged in blocks for b in range(U)]
 
+        if self.fp8:  # wire slots, dequantized when the stage is waited for
+            EQ = {kk: [fp8.Arrival(pull(kk, [("Q", b_["Qr"][(t - kk) % T], b_["Qw"])],
+                                        f"Pull-Q stage {kk + 1} (fp8)"),
+                                   lambda a=(t - kk) % T: fp8.dequantize_(b_["Qr"][a], self.O.rows[a]))]
+                  for kk in range(1, T)}
+            EKV = {kk: [fp8.Arrival(pull(kk, [("K/V", b_["KVr"][kk - 1], b_["KVw"])],
+                                         f"Pull-KV stage {kk} (fp8)"),
+                                    lambda i=kk - 1: fp8.dequantize_(b_["KVr"][i], b_["KV"][i][:, 0],
+                                                                     b_["KV"][i][:, 1]))]
+                   for kk in range(1, T)}
+            return EQ, EKV
         EQ = {kk: pull(kk, [("Q", self.O.rows[(t - kk) % T], self.Ob.rows)], f"Pull-Q stage {kk + 1}")
               for kk in range(1, T)}
         EKV = {kk: pull(kk, [("K/V", b_["KV"][kk - 1], b_["KVb"])], f"Pull-KV stage {kk}")
@@ -124,29 +164,41 @@ class OneSidedTorusIO:
         return self.O.rows[a]
 
     def _kv(self, a: int) -> torch.Tensor:
-        """``[U, 2, B, h, S, D]``: K/V of machine ``a``'s tokens, my head group."""
+        """``[U, 2, B, h_kv, S, D]``: K/V of machine ``a``'s tokens, my head group."""
         return self.buf["KVb"][a] if a == self.t else self.buf["KV"][self._slot(a)]
 
     def kv_block(self, a):
         kv = self._kv(a)
         return kv[:, 0], kv[:, 1]
 
-    def ring(self, q_chunks, states, a, *, scale, what):
-        self._ring(q_chunks, states, self._kv(a), scale=scale, what=what)  # packed: one get a step
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
+        self._ring(q_chunks, states, self._kv(a), scale=scale, what=what, masks=masks)  # packed: one get a step
 
     def barrier_ring(self, *, what):
-        if len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t'], which I waited
+        if len(self.ring_ranks) > 1 and self.fp8:  # ring peers are about to pull my K/V[t'],
+            # dequantized after its get: a barrier follows that compute, a sync would not
+            self.comm.barrier(self.ring_ranks, what=f"{what} ring-group barrier (fp8)")
+        elif len(self.ring_ranks) > 1:  # ring peers are about to pull my K/V[t'], which I waited
             # for; a sync, not a barrier: a barrier's quiet would drain the later stages' pulls
             self.comm.sync(self.ring_ranks, what=f"{what} ring-group sync")
 
     def push_o(self, kk):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         tp = (t - kk) % T
+        if self.fp8 and kk:  # across machines: wire slots, into GPU (t', b, r)'s Or[t, u]
+            Ow = fp8.quantize_(self.buf["Ow"][tp], self.O.flat[tp])  # [U, slot] -> [U, bytes]
+            for b in range(U):
+                self._put(self.buf["Or"][t, u], Ow[b], self._peer(tp, b), f"Push-O to machine {tp} (fp8)")
+            return
         for b in range(U):  # ScatterPush O[t', b] into GPU (t', b, r)'s Ob[t, u]
             self._put(self.Ob.flat[t, u], self.O.flat[tp, b], self._peer(tp, b), f"Push-O to machine {tp}")
 
     def stage_out(self):
         self.comm.barrier_all(what="barrier 2 (after Push-O)")
+        if self.fp8:  # the outputs pushed from the other machines: Or[a] -> Ob[a]
+            for a in range(self.mesh.torus):
+                if a != self.t:
+                    fp8.dequantize_(self.buf["Or"][a], self.Ob.flat[a])
         return self.Ob
 
 
@@ -170,10 +222,11 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
             return get("torus").build(a)
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
-    return TorusAttention(SPEC, a.mesh, OneSidedTorusIO(a.groups, one, a.rank), a.rank, [one])
+    io = OneSidedTorusIO(a.groups, one, a.rank, fp8.enabled(a.options))
+    return TorusAttention(SPEC, a.mesh, io, a.rank, [one])
 
 
 SPEC = register(StrategySpec(
     "swiftfusion", "tas", "as torus, over one-sided put/get with the fused multi-chunk kernel",
     build=build_swiftfusion, schedule="torus-stages", ring="pull", one_sided=True, needs_torus=True,
-    fallback="tas", order=3))
+    fallback="tas", order=3, native=NATIVE))

@@ -7,6 +7,15 @@ dimensions swapped (paper section 4.2). Works for every mesh, also where Torus c
 Text tokens: this rank's text queries of head group ``g`` join the ring as one more Q
 chunk; text K/V of head group ``g`` are attended once, locally. The text output rides
 in the output all-to-all so every rank gets all heads, as in USP.
+
+Grouped-query attention: K/V all-to-all with ``H_kv / G`` heads per slot (``grouped_kv``).
+Key mask: the K/V slot of Ulysses rank j in the block of ring rank r' holds the tokens of
+global rank ``mesh.rank_of_g(j, r')``; it is attended with those columns of the mask.
+
+FP8 communication (option ``fp8_comms``): in each all-to-all the slots for Ulysses peers on
+other machines travel as ``fp8.py`` wire slots (one scale per slot and tensor, appended to
+its bytes), the slots within my machine in the compute dtype, all in the same one exchange.
+The ring (inside a machine on every Torus-ready mesh) stays in the compute dtype.
 """
 from __future__ import annotations
 
@@ -15,27 +24,35 @@ import torch
 from ..comm.base import TwoSided
 from ..groups import SPGroups
 from ..kernels import attend, new_state
-from .layout import Joint, Slots, gather_output, split_heads
-from .registry import StrategySpec, register
+from . import fp8
+from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
+from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing
 
 
 class TasAttention:
     """Callable ``(q, k, v, joint, scale) -> out`` under the USP contract, on any mesh."""
 
-    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int) -> None:
+    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh, self.comm, self.comms = groups.mesh, comm, [comm]
         self.ulysses = groups.ulysses_ranks
         self.g = self.ulysses.index(rank)
+        node = self.mesh.topology.node_of
+        # slots of the all-to-alls that cross machines, sent as FP8 when fp8_comms
+        self.remote = [j for j, p in enumerate(self.ulysses) if node(p) != node(rank)] if fp8_comms else []
+        self._remote_index: dict[torch.device, torch.Tensor] = {}
         ring = groups.ring_ranks
         self.ring = PassRing(comm, ring, ring.index(rank))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 joint: Joint | None, scale: float) -> torch.Tensor:
+                 joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        """``q`` ``[B, H, S, D]``, ``k, v`` ``[B, H_kv, S, D]`` -> ``[B, H, S (+ Tj), D]``."""
         G, g = self.mesh.ulysses, self.g
         S = q.shape[2]
         Tj = joint.length if joint is not None else 0
-        # Ulysses all-to-all: [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group)
+        k, v, joint = grouped_kv(k, v, joint, q.shape[1], G, "tas")
+        # Ulysses all-to-all: [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group);
+        # K/V [B, H_kv, S, D] -> [G, B, h_kv, S, D]
         Q, K, V = (self._all_to_all(split_heads(x, G).contiguous(), f"Ulysses all-to-all {n}")
                    for n, x in (("Q", q), ("K", k), ("V", v)))
         q_chunks = list(Q.unbind(0))  # slot j: tokens of Ulysses rank j, head group g
@@ -44,8 +61,13 @@ class TasAttention:
             q_chunks.append(jq)
         states = [new_state(c) for c in q_chunks]
         if joint is not None:
-            attend(q_chunks, [(jk, jv)], states, scale=scale)
-        self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention")
+            attend(q_chunks, [(jk, jv)], states, scale=scale,
+                   key_masks=None if key_mask is None else [key_mask.text])
+        masks = None
+        if key_mask is not None and key_mask.tokens is not None:
+            def masks(r: int) -> list[torch.Tensor | None]:  # slots of ring rank r's block
+                return [key_mask.chunk(self.mesh.rank_of_g(j, r)) for j in range(G)]
+        self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention", masks=masks)
         B, h, _, D = Q.shape[1:]
         # G slots: image rows [B, h, S, D], then the (shared) text rows [B, h, Tj, D]
         O = Slots.alloc(Q.new_empty, (G,), B, h, S, Tj, D)
@@ -57,8 +79,27 @@ class TasAttention:
         return gather_output(Ob, joint)  # G slots -> [B, H, S + Tj, D]
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """``x`` ``[G, ...]``: slot j to Ulysses rank j; slot j of the result from it."""
         out = torch.empty_like(x)
-        self.comm.all_to_all(out, x, self.ulysses, what=what, queue="other")
+        if not self.remote:
+            self.comm.all_to_all(out, x, self.ulysses, what=what, queue="other")
+            return out
+        # one exchange as all_to_all, the slots of other machines as FP8 wire slots
+        idx = self._remote_index.get(x.device)
+        if idx is None:
+            idx = self._remote_index[x.device] = torch.tensor(self.remote, device=x.device)
+        m = x[0].numel()
+        send = fp8.quantize_(fp8.wire_empty(
+            lambda s, d: torch.empty(s, dtype=d, device=x.device), (len(idx),), m),
+            x.index_select(0, idx))  # [n_remote, ...] -> [n_remote, m + 4] bytes
+        recv = torch.empty_like(send)
+        wire = dict(zip(self.remote, zip(send.unbind(0), recv.unbind(0))))
+        sends = [(wire[j][0] if j in wire else x[j], p) for j, p in enumerate(self.ulysses)]
+        recvs = [(wire[j][1] if j in wire else out[j], p) for j, p in enumerate(self.ulysses)]
+        self.comm.exchange(sends, recvs, what=what + " (fp8 across machines)", queue="other").wait()
+        arrived = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        fp8.dequantize_(recv, arrived)  # [n_remote, m + 4] bytes -> [n_remote, ...]
+        out.index_copy_(0, idx, arrived)
         return out
 
     def close(self, failed: bool) -> None:
@@ -67,6 +108,7 @@ class TasAttention:
 
 SPEC = register(StrategySpec(
     "tas", "tas", "Ulysses across machines, Ring inside; all-to-all + two-sided ring, no overlap",
-    build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank), order=1))
+    build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank, fp8.enabled(a.options)),
+    order=1, native=NATIVE))
 TasAttention.spec = SPEC
 

@@ -23,6 +23,17 @@ Text (joint) tokens are one more query entry and one more K/V entry (``TEXT``): 
 queries ride with the local queries, the text K/V (replicated, so attended locally, without a
 ring) is attended once by every query entry, in its Pull-Q stage.
 
+Grouped-query attention: K/V move with ``H_kv / (T*U)`` heads per slot (``grouped_kv``).
+Key mask: K/V slot ``b`` of machine ``a``'s block on ring rank r' holds the tokens of GPU
+``(a, b, r')``; every ring step attends it with those columns of the mask.
+
+FP8 communication (option ``fp8_comms``): what crosses machines (the Q, K, V of Pull-Q and
+Pull-KV stages 1..T-1 and the outputs of Push-O to the other machines) travels as ``fp8.py``
+wire slots, one slot per transfer with its scale appended (one per slot and tensor), and is
+dequantized to the compute dtype when its stage is waited for; the intra-machine scatter,
+the ring and the local Push-O stay in the compute dtype. Transfers and grouped operations
+are the same as without it.
+
 ``TorusAttention`` runs the steps over a transport with the operations of ``TorusIO``;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
 isend/irecv, ``OneSidedTorusIO`` (``swiftfusion.py``) with put/get on a symmetric heap.
@@ -38,8 +49,9 @@ from ..comm.base import Handle, TwoSided
 from ..groups import SPGroups
 from ..kernels import AttnState, attend, new_state
 from ..mesh import Mesh
-from .layout import Joint, Slots, gather_output, split_heads
-from .registry import StrategySpec, register
+from . import fp8
+from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
+from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing
 
 TEXT = "text"
@@ -129,7 +141,8 @@ class TorusIO(Protocol):
     """What the schedule needs from communication (all indices are torus ranks)."""
 
     def stage_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_len: int) -> None:
-        """Steps 1-2: intra-machine Ulysses; afterwards ``q_block(t)``/``kv_block(t)`` hold my
+        """Steps 1-2 (``q`` [B, H, S, D], ``k, v`` [B, H_kv, S, D], T*U dividing H_kv):
+        intra-machine Ulysses; afterwards ``q_block(t)``/``kv_block(t)`` hold my
         machine's tokens of my head group; ``O``, ``Ob`` are ``[T, U]`` slots of S image rows
         and ``text_len`` text rows."""
 
@@ -141,8 +154,9 @@ class TorusIO(Protocol):
         ``O.rows[a]``: valid until the schedule writes output ``a``)."""
     def kv_block(self, a: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def ring(self, q_chunks: list[torch.Tensor], states: list[AttnState], a: int, *,
-             scale: float, what: str) -> None:
-        """Ring attention of ``q_chunks`` against K/V block ``a`` over my ring group."""
+             scale: float, what: str, masks=None) -> None:
+        """Ring attention of ``q_chunks`` against K/V block ``a`` over my ring group
+        (``masks``: ring rank -> key masks of its block's U slots, as ``ring._Ring``)."""
     def barrier_ring(self, *, what: str) -> None: ...
     def push_o(self, k: int) -> None:
         """Send ``O[(t-k)%T, :]`` to its owners (k = 0: my machine); receive my outputs."""
@@ -160,13 +174,17 @@ class TorusAttention:
         self.t, self.u, self.r = mesh.coords(rank)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 joint: Joint | None, scale: float) -> torch.Tensor:
+                 joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        """``q`` ``[B, H, S, D]``, ``k, v`` ``[B, H_kv, S, D]`` -> ``[B, H, S (+ Tj), D]``."""
+        T, U = self.mesh.torus, self.mesh.ulysses_intra
+        if k.shape[1] != q.shape[1]:  # K/V heads that split into the T*U head groups
+            k, v, joint = grouped_kv(k, v, joint, q.shape[1], T * U, self.spec.name)
         self.io.stage_in(q, k, v, joint.length if joint is not None else 0)  # steps 1-2
-        self._stages(joint, scale)  # the running states live only in there, so they are
+        self._stages(joint, scale, key_mask)  # the running states live only in there, so they are
         # freed before the output is allocated and the two don't add up in the peak
         return gather_output(self.io.stage_out(), joint)  # [T, U] slots -> [B, H, S + Tj, D]
 
-    def _stages(self, joint: Joint | None, scale: float) -> None:
+    def _stages(self, joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> None:
         """Steps 3-7: run ``torus_schedule`` against the transport.
 
         Query entry ``a`` is the U chunks ``[B, h, S, D]`` of ``io.q_block(a)``, ``TEXT`` the
@@ -175,8 +193,16 @@ class TorusAttention:
         io, T, U = self.io, self.mesh.torus, self.mesh.ulysses_intra
         jq = jkv = None
         if joint is not None:
-            jq, jk, jv = joint.head_group(self.t * U + self.u, T * U)  # [B, h, Tj, D] each
+            jq, jk, jv = joint.head_group(self.t * U + self.u, T * U)  # [B, h(_kv), Tj, D]
             jkv = [(jk, jv)]
+        # keyword arguments of the text attends / the ring attentions of machine a's block,
+        # only where a mask applies
+        text_kw = {} if key_mask is None or key_mask.text is None else {"key_masks": [key_mask.text]}
+        masks = {}  # machine a -> (ring rank -> key masks of its U slots)
+        if key_mask is not None and key_mask.tokens is not None:
+            rank_of = self.mesh.rank_of
+            masks = {a: (lambda r, a=a: [key_mask.chunk(rank_of(a, b, r)) for b in range(U)])
+                     for a in range(T)}
         chunks: dict[Entry, list[torch.Tensor]] = {}
         states: dict[Entry, list[AttnState]] = {}
         for s in torus_schedule(T, self.t, joint is not None):
@@ -197,9 +223,10 @@ class TorusAttention:
                     qs = [c for e in s.q for c in chunks[e]]
                     sts = [x for e in s.q for x in states[e]]
                     if s.kv == TEXT:
-                        attend(qs, jkv, sts, scale=scale)
+                        attend(qs, jkv, sts, scale=scale, **text_kw)
                     else:
-                        io.ring(qs, sts, s.kv, scale=scale, what=s.what)
+                        ring_kw = {"masks": masks[s.kv]} if s.kv in masks else {}
+                        io.ring(qs, sts, s.kv, scale=scale, what=s.what, **ring_kw)
                 case "finalize":
                     (e,) = s.q
                     if e == TEXT:  # [B, h, Tj, D]: the text rows of my head group, in every slot
@@ -226,11 +253,13 @@ class TwoSidedTorusIO:
     it while I receive it; every rank posts both halves of stage k at once, one exchange (one
     grouped operation) per tensor on the ``"other"`` queue, so with T = 2 the send to and the
     receive from the other machine progress together. Ring attention uses the ``"ring"`` queue.
+    ``fp8_comms``: stages k >= 1 move ``fp8.py`` wire slots (``W``: per tensor ``[T, U, bytes]``
+    send (``"s"``) and receive (``"r"``) buffers, slot ``[a, b]`` as the tensor's).
     """
 
-    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int) -> None:
+    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh = mesh = groups.mesh
-        self.comm = comm
+        self.comm, self.fp8 = comm, fp8_comms and mesh.torus > 1
         self.t, self.u, self.r = mesh.coords(rank)
         self.ring_ranks = groups.ring_ranks
         self._ring = PassRing(comm, self.ring_ranks, self.r)
@@ -243,17 +272,29 @@ class TwoSidedTorusIO:
     def stage_in(self, q, k, v, text_len):
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
-        h = H // (T * U)
-        key = (tuple(q.shape), q.dtype, q.device, text_len)
+        h, h_kv = H // (T * U), k.shape[1] // (T * U)
+        key = (tuple(q.shape), k.shape[1], q.dtype, q.device, text_len)
         if key not in self._buffers:
             O, Ob = (Slots.alloc(q.new_empty, (T, U), B, h, S, text_len, D) for _ in range(2))
             self._buffers = {key: {"Q": O.rows,  # the received Q block of machine a lives in O.rows[a]
-                                   "K": q.new_empty(T, U, B, h, S, D), "V": q.new_empty(T, U, B, h, S, D),
+                                   "K": q.new_empty(T, U, B, h_kv, S, D),
+                                   "V": q.new_empty(T, U, B, h_kv, S, D),
                                    "O": O, "Ob": Ob}}
+            if self.fp8:  # wire slots of Q, K, V, O (O: a whole slot, image and text rows)
+                empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device)  # noqa: E731
+                m = {"Q": B * h * S * D, "K": B * h_kv * S * D, "V": B * h_kv * S * D,
+                     "O": Slots.numel(B, h, S, text_len, D)}
+                self._buffers[key]["W"] = {(n, d): fp8.wire_empty(empty, (T, U), m[n])
+                                           for n in m for d in "sr"}
         self.buf = self._buffers[key]
         self.O, self.Ob = self.buf["O"], self.buf["Ob"]
-        # step 1, [B, H, S, D] -> [T, U, B, h, S, D]: my tokens, every head group (send buffers)
+        # step 1, [B, H(_kv), S, D] -> [T, U, B, h(_kv), S, D]: my tokens, every head group (send buffers)
         self.src = {n: split_heads(x, T, U).contiguous() for n, x in (("Q", q), ("K", k), ("V", v))}
+        if self.fp8:  # the slots for the other machines, as wire slots
+            for n, x in self.src.items():
+                for a in range(T):
+                    if a != self.t:
+                        fp8.quantize_(self.buf["W"][n, "s"][a], x[a])  # [U, B, h, S, D] -> [U, bytes]
         _wait(self._exchange(0, ("Q", "K", "V"), "Ulysses scatter (intra-machine)"))
 
     def _exchange(self, kk: int, names: tuple[str, ...], what: str) -> list[Handle]:
@@ -261,6 +302,13 @@ class TwoSidedTorusIO:
         into my slot [t-kk, b] (kk = 0: within my machine)."""
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tn, tp = (t + kk) % T, (t - kk) % T
+        if self.fp8 and kk:  # across machines: wire slots, dequantized into my slots [t-kk] on wait
+            W = self.buf["W"]
+            return [fp8.Arrival([self.comm.exchange(
+                [(W[n, "s"][tn, b], self._peer(tn, b)) for b in range(U)],
+                [(W[n, "r"][tp, b], self._peer(tp, b)) for b in range(U)],
+                what=f"{what} {n} (fp8)", queue="other")],
+                lambda n=n: fp8.dequantize_(W[n, "r"][tp], self.buf[n][tp])) for n in names]
         return [self.comm.exchange([(self.src[n][tn, b], self._peer(tn, b)) for b in range(U)],
                                    [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
                                    what=f"{what} {n}", queue="other") for n in names]
@@ -277,8 +325,8 @@ class TwoSidedTorusIO:
     def kv_block(self, a):
         return self.buf["K"][a], self.buf["V"][a]
 
-    def ring(self, q_chunks, states, a, *, scale, what):
-        self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what)
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
+        self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what, masks=masks)
 
     def barrier_ring(self, *, what):
         """Two-sided rings synchronise through their own sends and receives."""
@@ -287,6 +335,15 @@ class TwoSidedTorusIO:
         # mirrors the pulls: I receive my tokens' outputs for head group (t+kk, b) from its owner
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tp, tn = (t - kk) % T, (t + kk) % T
+        if self.fp8 and kk:  # across machines: wire slots, dequantized into Ob[t+kk] in stage_out
+            W = self.buf["W"]
+            fp8.quantize_(W["O", "s"][tp], self.O.flat[tp])  # [U, slot] -> [U, bytes]
+            sends = [(W["O", "s"][tp, b], self._peer(tp, b)) for b in range(U)]
+            recvs = [(W["O", "r"][tn, b], self._peer(tn, b)) for b in range(U)]
+            self._pending.append(fp8.Arrival(
+                [self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp} (fp8)", queue="other")],
+                lambda: fp8.dequantize_(W["O", "r"][tn], self.Ob.flat[tn])))
+            return
         sends = [(self.O.flat[tp, b], self._peer(tp, b)) for b in range(U)]
         recvs = [(self.Ob.flat[tn, b], self._peer(tn, b)) for b in range(U)]
         self._pending.append(self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp}",
@@ -300,10 +357,11 @@ class TwoSidedTorusIO:
 
 def build_torus(a) -> TorusAttention:
     two = a.two_sided()
-    return TorusAttention(SPEC, a.mesh, TwoSidedTorusIO(a.groups, two, a.rank), a.rank, [two])
+    io = TwoSidedTorusIO(a.groups, two, a.rank, fp8.enabled(a.options))
+    return TorusAttention(SPEC, a.mesh, io, a.rank, [two])
 
 
 SPEC = register(StrategySpec(
     "torus", "tas", "as tas, the inter-machine all-to-all in Torus stages over isend/irecv, "
     "overlapped with attention", build=build_torus, schedule="torus-stages", needs_torus=True,
-    fallback="tas", order=2))
+    fallback="tas", order=2, native=NATIVE))

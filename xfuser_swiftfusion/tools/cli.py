@@ -20,7 +20,8 @@ import torch
 from ..distributed import init_distributed_from_env
 from ..emulation.netns import add_link_argument, link_from_args
 from ..kernels import BACKENDS
-from ..mesh import choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine
+from ..mesh import (choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine,
+                    torus_mesh)
 from ..strategies import names, specs
 from ..topology import Topology, TopologyError
 
@@ -28,9 +29,13 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
-         batch: int = 1, dtype: str = "bf16", hardware: str = "p4de") -> dict[str, dict]:
-    """Per strategy: degrees, inter-machine bytes per GPU and predicted latency per attention
-    layer on ``hardware``; ``"recommended"``: the (strategy, degrees) ``auto`` would pick."""
+         batch: int = 1, dtype: str = "bf16", hardware: str = "p4de",
+         pad_heads: bool = True) -> dict[str, dict]:
+    """Per strategy, as ``init_sequence_parallel`` runs it at the default degree: the
+    strategy that runs, its heads (``heads`` > H: zero-padded for the Torus schedule, unless
+    ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
+    attention layer on ``hardware``; ``"recommended"``: the (strategy, degrees) ``auto`` would
+    pick."""
     from ..cost_model import Workload, get_profile, predict, recommend
     topo = Topology(nodes, gpus_per_node)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
@@ -38,20 +43,22 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     out = {}
     for spec in (s for s in specs() if s.schedule is not None):
         name = spec.name
-        mesh = choose_mesh(topo, heads, spec.placement)
+        mesh, h = (torus_mesh(topo, heads, spec.placement, pad=pad_heads) if spec.needs_torus
+                   else (choose_mesh(topo, heads, spec.placement), heads))
         runs = spec.resolve(mesh, log=False)
-        per_rank = counted_inter_node_elements(mesh, batch, seq_len, heads, head_dim, runs.ring)
+        per_rank = counted_inter_node_elements(mesh, batch, seq_len, h, head_dim, runs.ring)
         paper = paper_inter_node_elements_per_machine(
             spec.placement, nodes, gpus_per_node, mesh.ulysses,
-            batch, seq_len, heads, head_dim) / gpus_per_node
+            batch, seq_len, h, head_dim) / gpus_per_node
         out[name] = {
-            "runs_as": runs.name,
+            "runs_as": runs.name, "heads": h,
             "ulysses_degree": mesh.ulysses, "ring_degree": mesh.ring,
             "torus_degree": mesh.torus, "ulysses_intra_degree": mesh.ulysses_intra,
             "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
             "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
             "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
-            "predicted_latency_s": predict(name, topo, work, profile).latency_s,
+            "predicted_latency_s": predict(name, topo, work, profile,
+                                           pad_heads=pad_heads).latency_s,
         }
     best = recommend(topo, work, profile)
     out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
@@ -64,17 +71,24 @@ def _print_plan(p: dict[str, dict], args) -> None:
     print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
           f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and "
           f"predicted latency per layer ({args.hardware})")
-    print(f"{'strategy':<12} {'runs as':<12} {'ulysses':>7} {'ring':>5} {'torus':>6} "
+    print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} "
           f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13}")
     rec = p["recommended"]
+    padded = []
     for name, r in p.items():
         if name != "recommended":
-            print(f"{name:<12} {r['runs_as']:<12} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
+            heads = str(args.heads) if r["heads"] == args.heads else f"{args.heads}->{r['heads']}"
+            if r["heads"] != args.heads:
+                padded.append(f"{name} ({args.heads}->{r['heads']})")
+            print(f"{name:<12} {r['runs_as']:<12} {heads:>8} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
                   f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
                   f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
                   f"{r['predicted_latency_s'] * 1e3:>13.3f}")
     print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
           f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer")
+    if padded:
+        print(f"zero-padded heads so the Torus schedule runs: {', '.join(padded)}; compute and "
+              "bytes above are the padded run's (--no-pad-heads: the fallback instead)")
 
 
 def _check_main(strategies, case, topology, timeout_s):
@@ -156,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     pl.add_argument("--hardware", default="p4de", help="cost-model profile: p4de, p5, h100-ndr, "
                     "cpu-emulated (default p4de)")
+    pl.add_argument("--no-pad-heads", dest="pad_heads", action="store_false",
+                    help="torus/swiftfusion: the fallback where the default mesh does not fit the "
+                         "machines, instead of zero-padded heads (options={'pad_heads': False})")
 
     ck = sub.add_parser("check", parents=[cluster],
                         help="validate every strategy against single-device attention")
@@ -190,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
-                     args.batch, args.dtype, args.hardware)
+                     args.batch, args.dtype, args.hardware, args.pad_heads)
             print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
             return 0
         if args.cmd == "compare":

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..distributed import init_distributed_from_env
 from ..emulation.netns import link_from_args
 from ..log import get_logger
-from ..mesh import choose_mesh, counted_inter_node_elements
+from ..mesh import counted_inter_node_elements
 from ..strategies import get, names
 from .measure import PeakMemory
 
@@ -50,13 +50,13 @@ logger = get_logger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 # defaults per model kind: (height, width, num_frames)
-DEFAULT_SIZE = {"flux": (48, 48, 1), "cogvideox": (192, 64, 9)}
+DEFAULT_SIZE = {"flux": (48, 48, 1), "cogvideox": (192, 64, 9), "wan": (64, 64, 9)}
 
 
 @dataclass
 class CompareConfig:
-    model: str                       # as given (tiny-flux, tiny-cogvideox, a directory)
-    kind: str                        # "flux" | "cogvideox"
+    model: str                       # as given (tiny-flux, tiny-cogvideox, tiny-wan, a directory)
+    kind: str                        # "flux" | "cogvideox" | "wan"
     path: str                        # checkpoint directory
     strategies: list[str]
     steps: int = 4
@@ -165,8 +165,7 @@ def _effective(ctx) -> tuple[str, object]:
     if len(choices) != 1:
         return ctx.strategy, ctx.mesh
     strategy, ulysses = choices.pop()
-    mesh = choose_mesh(ctx.topology, ctx.num_heads, get(strategy).placement,
-                       ulysses, ctx.mesh.world_size // ulysses)
+    mesh = next(m for (s, u, _), m in ctx._impl.meshes.items() if (s, u) == (strategy, ulysses))
     return f"{ctx.strategy}:{strategy}", mesh
 
 
@@ -297,7 +296,7 @@ def _aggregate(measures: dict[str, _Measure], dtype: torch.dtype) -> list[Compar
 
 def format_table(rows: list[CompareRow], cfg: CompareConfig, where: str) -> str:
     tol = TOLERANCE[DTYPES[cfg.dtype]]
-    size = f"{cfg.height}x{cfg.width}" + (f"x{cfg.num_frames}f" if cfg.kind == "cogvideox" else "")
+    size = f"{cfg.height}x{cfg.width}" + (f"x{cfg.num_frames}f" if cfg.kind != "flux" else "")
     lines = [f"compare: {cfg.model} ({cfg.kind}) {size}, {cfg.steps} steps, text "
              f"{cfg.max_sequence_length} tokens, {cfg.dtype}, {where}, {cfg.repeats} rounds "
              f"interleaved; tolerance {tol:.0e} vs single device"]
@@ -342,11 +341,12 @@ def add_arguments(p) -> None:
     """Flags of ``swiftfusion compare`` besides the cluster flags cli.py shares with ``check``
     (``--emulate``, ``--link-mbit``, ``--topology``, ``--strategies``, ``--seed``)."""
     p.add_argument("--model", default="tiny-flux",
-                   help="tiny-flux, tiny-cogvideox or a local FLUX.1 / CogVideoX checkpoint dir")
+                   help="tiny-flux, tiny-cogvideox, tiny-wan or a local FLUX.1 / CogVideoX / Wan "
+                        "checkpoint dir")
     p.add_argument("--steps", type=int, default=4, help="denoising steps per run (>= 2)")
-    p.add_argument("--height", type=int, help="pixels (default: flux 48, cogvideox 192)")
-    p.add_argument("--width", type=int, help="pixels (default: flux 48, cogvideox 64)")
-    p.add_argument("--num-frames", type=int, help="video frames (cogvideox; default 9)")
+    p.add_argument("--height", type=int, help="pixels (default: flux 48, cogvideox 192, wan 64)")
+    p.add_argument("--width", type=int, help="pixels (default: flux 48, cogvideox 64, wan 64)")
+    p.add_argument("--num-frames", type=int, help="video frames (cogvideox, wan; default 9)")
     p.add_argument("--max-sequence-length", type=int, default=13, help="text tokens")
     p.add_argument("--prompt", default=CompareConfig.prompt)
     p.add_argument("--guidance-scale", type=float, default=1.0)
@@ -386,7 +386,7 @@ def config_from_args(args, world_size: int) -> CompareConfig:
                         guidance_scale=args.guidance_scale, seed=args.seed,
                         repeats=args.repeats, dtype=dtype, topology=args.topology,
                         timeout_s=args.timeout, reference=not args.no_reference)
-    check_shapes(kind, path, cfg.height, cfg.width, world_size)
+    check_shapes(kind, path, cfg.height, cfg.width, world_size, cfg.num_frames)
     return cfg
 
 

@@ -9,7 +9,9 @@ configurations interleaved over ``repeats`` rounds:
   enable_parallelism(config=ContextParallelConfig(ulysses_degree=U, ring_degree=R))`` over a
   ``("ring", "ulysses")`` mesh of shape ``(R, U)`` in rank order (Ulysses groups: consecutive
   ranks). Ulysses: ``U = W`` (needs ``heads % W == 0``); ring: ``R = W``; unified: ``U`` = GPUs
-  per machine, ``R`` = machines (needs ``1 < U < W`` and ``heads % U == 0``).
+  per machine, ``R`` = machines (needs ``1 < U < W`` and ``heads % U == 0``). Ring and unified
+  merge blocks by log-sum-exp and run on an LSE backend (``diffusers_backend.ring_backend``:
+  ``_native_flash`` on CUDA, our ``sf_cpu_lse`` on CPU); Ulysses on the model's own backend.
 - ``tas`` / ``torus`` / ``swiftfusion`` / ``auto``: ``integrations.diffusers.enable_parallelism``
   (diffusers' sharding hooks, attention on the strategy).
 
@@ -39,24 +41,28 @@ from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError,
                       _quiet_logs, _sync, config_from_args, format_table, load_with_reference,
                       run_on_ranks, time_calls,
                       write_plot)
+from .diffusers_backend import ring_backend
 from .measure import PeakMemory
 
 DIFFUSERS_CONFIGS = ("ulysses", "ring", "unified")
 OURS = ("tas", "torus", "swiftfusion", "auto")
 PREFIX = "diffusers:"
-# diffusers' ring attention needs the log-sum-exp of every block; its default ``native``
-# backend has none, and every backend that has one runs on CUDA only
-RING_BACKEND = "_native_flash"
 TEXT_TOKENS = 16   # Flux's text is sharded with the image: a multiple of common world sizes
 
 
+def device_type() -> str:
+    """The device type diffusers' context parallelism runs on here (``cpu`` without CUDA)."""
+    return torch._C._get_accelerator().type
+
+
 def diffusers_degrees(config: str, topo: Topology, heads: int,
-                      cuda: bool | None = None) -> tuple[int, int] | None:
+                      lse_backend: bool | None = None) -> tuple[int, int] | None:
     """``(ring, ulysses)`` degrees of diffusers' ``config`` on ``topo``, or None if invalid
-    (configs with a ring need ``cuda``, default: ``torch.cuda.is_available()``)."""
+    (configs with a ring need an ``lse_backend``, default: ``ring_backend`` finds one here)."""
     world, gpus = topo.world_size, topo.gpus_per_node
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    if config in DIFFUSERS_CONFIGS[1:] and not cuda:
+    if lse_backend is None:
+        lse_backend = ring_backend(device_type())[0] is not None
+    if config in DIFFUSERS_CONFIGS[1:] and not lse_backend:
         return None
     if config == "ulysses":
         return (1, world) if heads % world == 0 else None
@@ -85,15 +91,18 @@ def modelled_diffusers_bytes(topo: Topology, ring: int, ulysses: int,
 
     Ulysses: all-to-all of Q, K, V and of the output over the Ulysses group, 1/U of each
     tensor to every peer. Ring (``rotate_method="allgather"``): K and V (after the Ulysses
-    all-to-all: the same element count) all-gathered over the ring group, counted as one copy
-    to every peer. Only peers on another machine count.
+    all-to-all: the same element count) all-gathered over the ring group by the ring
+    algorithm in group-rank order (gloo's; NCCL's ring may order ranks otherwise): each rank
+    forwards ``R - 1`` blocks to the next rank of its group. Only sends to another machine
+    count (checked against the kernel's qdisc counters by ``scripts/bench_layer.py``).
     """
     mesh = diffusers_mesh(topo, ring, ulysses)
     g, r = mesh.g_r_of(rank)
     ulysses_group, ring_group = mesh.ulysses_groups[r], mesh.ring_groups[g]
     node = topo.node_of(rank)
     u_far = sum(topo.node_of(p) != node for p in ulysses_group)
-    r_far = sum(topo.node_of(p) != node for p in ring_group)
+    successor = ring_group[(ring_group.index(rank) + 1) % len(ring_group)]
+    r_far = (ring - 1) * (topo.node_of(successor) != node)
     total = 0
     for B, S, H, D, size in shapes:
         n = B * S * H * D * size
@@ -110,21 +119,52 @@ def time_dispatch_calls() -> contextlib.AbstractContextManager[AttentionCalls]:
 _meshes: dict[tuple[int, int], object] = {}
 
 
+def diffusers_device_mesh(ring: int, ulysses: int):
+    """diffusers' ``("ring", "ulysses")`` DeviceMesh of shape ``(ring, ulysses)`` over the
+    default group in rank order (``diffusers_mesh``'s placement); collective the first time,
+    then cached."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if (ring, ulysses) not in _meshes:
+        _meshes[ring, ulysses] = init_device_mesh(device_type(), (ring, ulysses),
+                                                  mesh_dim_names=("ring", "ulysses"))
+    return _meshes[ring, ulysses]
+
+
+def layer_config(ring: int, ulysses: int):
+    """A set-up diffusers ``ParallelConfig`` for ``dispatch_attention_fn`` at the layer level
+    (no model): what ``enable_parallelism`` gives every attention processor."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    config = ParallelConfig(context_parallel_config=ContextParallelConfig(
+        ring_degree=ring, ulysses_degree=ulysses))
+    config.setup(dist.get_rank(), dist.get_world_size(), torch.device(device_type()),
+                 mesh=diffusers_device_mesh(ring, ulysses))
+    return config
+
+
+def layer_backend(ring: int) -> str:
+    """The diffusers backend a layer runs on: an LSE backend with a ring, else ``native``."""
+    if ring == 1:
+        return "native"
+    name, why = ring_backend(device_type())
+    if name is None:
+        raise RuntimeError(f"diffusers' ring attention cannot run here: {why}")
+    return name
+
+
 @contextlib.contextmanager
 def diffusers_session(model: torch.nn.Module, ring: int, ulysses: int) -> Iterator[None]:
-    """diffusers' own context parallelism on ``model`` for the duration (mesh built once)."""
+    """diffusers' own context parallelism on ``model`` for the duration (mesh built once).
+    With a ring the model runs on ``layer_backend``; diffusers' active backend, which
+    ``set_attention_backend`` changes process-wide, is put back afterwards."""
     from diffusers import ContextParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     from ..integrations.diffusers import sharding
-    if (ring, ulysses) not in _meshes:
-        _meshes[ring, ulysses] = init_device_mesh(torch._C._get_accelerator().type,
-                                                  (ring, ulysses),
-                                                  mesh_dim_names=("ring", "ulysses"))
     config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
-                                   mesh=_meshes[ring, ulysses])
+                                   mesh=diffusers_device_mesh(ring, ulysses))
+    active = _AttentionBackendRegistry._active_backend
     if ring > 1:
-        model.set_attention_backend(RING_BACKEND)
+        model.set_attention_backend(layer_backend(ring))
     try:
         with sharding.accelerator_count_at_least_one():
             model.enable_parallelism(config=config)
@@ -133,6 +173,7 @@ def diffusers_session(model: torch.nn.Module, ring: int, ulysses: int) -> Iterat
         sharding.remove_diffusers_cp(model)
         if ring > 1:
             model.reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(active)
 
 
 @contextlib.contextmanager
@@ -160,6 +201,7 @@ def run_compare_diffusers(cfg: CompareConfig) -> list[CompareRow]:
 
     from .models.parallel import generate_latents
     diffusers.utils.logging.set_verbosity_error()  # enable_parallelism warns on every call
+    ring_backend(device_type())  # registered before our routing wraps the backends
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[cfg.dtype]
     topo = detect_topology(world, cfg.topology)
@@ -210,11 +252,11 @@ def select(requested: str | None, topo: Topology, heads: int) -> tuple[list[str]
     invalid = [s for s in wanted if s in DIFFUSERS_CONFIGS
                and diffusers_degrees(s, topo, heads) is None]
     if requested and invalid:
+        why = ring_backend(device_type())[1]
         raise CompareArgumentError(f"diffusers' {', '.join(invalid)} cannot run with {heads} heads "
                                    f"on {topo} here (ulysses: heads % ranks == 0; unified: "
-                                   "1 < GPUs per machine < ranks, heads % GPUs per machine == 0; "
-                                   "ring and unified: CUDA, diffusers' ring attention has no CPU "
-                                   "backend)")
+                                   "1 < GPUs per machine < ranks, heads % GPUs per machine == 0"
+                                   + (f"; ring and unified: {why})" if why else ")"))
     rows = [PREFIX + s for s in DIFFUSERS_CONFIGS if s in wanted and s not in invalid]
     return rows + [s for s in OURS if s in wanted], invalid
 
@@ -260,9 +302,9 @@ def cmd_compare_diffusers(args) -> int:
     table_rows = [CompareRow(**r) for r in rows]
     print(format_table(table_rows, cfg, where + ", diffusers pipeline"))
     if skipped:
+        why = ring_backend(device_type())[1]
         print(f"skipped diffusers' {', '.join(skipped)}: invalid for this world size and head "
-              "count, or (ring, unified) without CUDA: diffusers' ring attention needs an "
-              "attention backend with log-sum-exp, all of which run on CUDA only")
+              "count" + (f", or (ring, unified) {why}" if why else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**{k: r[k] for k in JSON_FIELDS},
@@ -274,5 +316,6 @@ def cmd_compare_diffusers(args) -> int:
 
 
 __all__ = ["DIFFUSERS_CONFIGS", "OURS", "cmd_compare_diffusers", "config_from_args_diffusers",
-           "diffusers_degrees", "diffusers_mesh_label", "modelled_diffusers_bytes",
-           "run_compare_diffusers", "select", "time_dispatch_calls"]
+           "device_type", "diffusers_degrees", "diffusers_device_mesh", "diffusers_mesh_label",
+           "layer_backend", "layer_config", "modelled_diffusers_bytes", "run_compare_diffusers",
+           "select", "time_dispatch_calls"]

@@ -11,6 +11,12 @@ and heads for the others; omitted (both 1 on a larger world), the mesh is ``choo
 rule ``P_u = gcd(N*M, H)``; H read from the checkpoint's ``transformer/config.json``). ``xdit``
 infers ``--nproc_per_node`` from ``--topology`` / ``$SWIFTFUSION_TOPOLOGY`` when no degree is
 given.
+
+``--topology`` describes the whole world. With ``--use_cfg_parallel`` each CFG half is one SP
+group (xFuser's ranks ``[0, W/2)`` and ``[W/2, W)``) and the strategy runs on each, on that
+half's machines (``N/2`` machines each, or part of one machine); the degrees are the SP
+group's (``Ulysses x Ring = W/2``). PipeFusion, tensor and data parallelism are refused with
+``--sp-strategy`` (``_UNSUPPORTED``: the message names the combination and what to use).
 """
 from __future__ import annotations
 
@@ -25,10 +31,23 @@ import torch.distributed as dist
 
 from ...strategies.registry import names, specs
 from ...topology import Topology, TopologyError, detect_topology
-from .routing import (PluginError, check_strategy, plan_mesh, read_num_heads, rebind,
-                      routed_context, use_strategy)
+from . import state
+from .routing import (PluginError, cfg_sp_topology, check_sp_degrees, check_strategy, plan_mesh,
+                      read_num_heads, rebind, routed_context, use_strategy)
 
-_DEGREE_FLAGS = ("data_parallel_degree", "pipefusion_parallel_degree", "tensor_parallel_degree")
+# flag -> (what it is, why the strategies do not run with it)
+_UNSUPPORTED = {
+    "pipefusion_parallel_degree": (
+        "PipeFusion", "its patch pipeline runs xFuser's own attention with stale-KV buffers, "
+        "which the strategies do not implement"),
+    "tensor_parallel_degree": (
+        "tensor parallelism", "xFuser places tensor-parallel ranks innermost, so each SP group "
+        "would be strided over the machines, and the strategies' attention is not split by "
+        "tensor-parallel heads"),
+    "data_parallel_degree": (
+        "data parallelism", "data-parallel replicas may make different numbers of attention "
+        "calls, while the strategies allocate symmetric buffers over all ranks"),
+}
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -66,22 +85,31 @@ def _check_namespace(args) -> None:
     if not getattr(args, "sp_strategy", None):
         return
     check_strategy(args.sp_strategy)
-    for flag in _DEGREE_FLAGS:
-        if (getattr(args, flag, 1) or 1) > 1:
-            raise PluginError(f"--sp-strategy {args.sp_strategy} runs sequence parallelism over "
-                              f"all ranks; --{flag} > 1 is not supported with it")
-    if getattr(args, "use_cfg_parallel", False):
-        raise PluginError(f"--sp-strategy {args.sp_strategy} runs sequence parallelism over all "
-                          "ranks; --use_cfg_parallel is not supported with it")
+    for flag, (name, why) in _UNSUPPORTED.items():
+        n = getattr(args, flag, 1) or 1
+        if n > 1:
+            raise PluginError(
+                f"--sp-strategy {args.sp_strategy} with --{flag} {n} ({name}) is not supported: "
+                f"{why}. Use --{flag} 1 with --sp-strategy (sequence parallelism, optionally "
+                f"with --use_cfg_parallel), or drop --sp-strategy to run {name} with xFuser's "
+                "own USP")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     topo = detect_topology(world, args.topology)
+    cfg = _cfg_degree_of(args)
+    _, sp_topo = cfg_sp_topology(args.sp_strategy, topo, cfg)
     u, r = _degrees_of(args)
+    check_sp_degrees(args.sp_strategy, sp_topo, cfg, u, r)
     try:
         heads = read_num_heads(args.model, local_files_only=True)
     except PluginError:
         heads = None   # checked again (with the error) when the run starts
-    if world > 1 or u is not None:
-        plan_mesh(args.sp_strategy, heads, topo, u, r)
+    if sp_topo.world_size > 1 or u is not None:
+        plan_mesh(args.sp_strategy, heads, sp_topo, u, r)
+
+
+def _cfg_degree_of(args) -> int:
+    """2 with ``--use_cfg_parallel`` (xFuser's CFG degree), else 1."""
+    return 2 if getattr(args, "use_cfg_parallel", False) else 1
 
 
 def _make_args_class(base: type) -> type:
@@ -120,11 +148,15 @@ def route_sp_strategy(args) -> tuple[int, int]:
             init_distributed_environment()
         u, r = _degrees_of(args)
         ctx = use_strategy(args.sp_strategy, read_num_heads(args.model), args.topology,
-                           ulysses_degree=u, ring_degree=r)
+                           ulysses_degree=u, ring_degree=r, cfg_degree=_cfg_degree_of(args),
+                           fp8_comms=bool(getattr(args, "use_fp8_comms", False)))
     elif ctx.strategy != args.sp_strategy:
         raise PluginError(f"--sp-strategy {args.sp_strategy}, but {ctx.strategy} is already "
                           "routed in this process")
-    return ctx.mesh.ulysses, ctx.mesh.ring
+    # xFuser's groups: the strategy's mesh, or the unpadded one when it runs on zero-padded
+    # heads (xFuser's own USP, for the calls handed back to it, runs on the real heads)
+    u, r, _ = state.xfuser_sp_layout()
+    return u, r
 
 
 def patch_args(args_module: ModuleType) -> None:
@@ -144,6 +176,7 @@ def xdit_nproc(args: list[str], default: int) -> int:
     p.add_argument("--sp_strategy", "--sp-strategy", default=None)
     p.add_argument("--topology", default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--use_cfg_parallel", "--use-cfg-parallel", action="store_true")
     for name in ("ulysses_degree", "ring_degree", "nnodes"):
         p.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=int, default=None)
     ns, _ = p.parse_known_args(args)
@@ -163,8 +196,10 @@ def xdit_nproc(args: list[str], default: int) -> int:
                               f"--nnodes {nnodes}")
         return topo.world_size // nnodes
     if topo_text:
-        plan_mesh(ns.sp_strategy, None, Topology.parse(topo_text), ns.ulysses_degree,
-                  ns.ring_degree)
+        cfg = _cfg_degree_of(ns)
+        _, sp_topo = cfg_sp_topology(ns.sp_strategy, Topology.parse(topo_text), cfg)
+        check_sp_degrees(ns.sp_strategy, sp_topo, cfg, ns.ulysses_degree, ns.ring_degree)
+        plan_mesh(ns.sp_strategy, None, sp_topo, ns.ulysses_degree, ns.ring_degree)
     return default
 
 

@@ -115,6 +115,22 @@ def patch_envs_long_ctx_check(envs: ModuleType) -> None:
                 mod.HAS_LONG_CTX_ATTN = True
 
 
+def patch_envs_gpu_arch(envs: ModuleType) -> None:
+    """PackagesEnvChecker._on_rdna4() / _on_mi3xx() call torch.cuda.current_device(), which
+    raises without CUDA (the runner's ``--use_torch_compile`` asks ``_on_rdna4()`` for the
+    compile mode); no CUDA device is no AMD GPU: False."""
+    checker_cls = envs.PackagesEnvChecker
+    for name in ("_on_rdna4", "_on_mi3xx"):
+        original = getattr(checker_cls, name)
+        if _is_patched(original):
+            continue
+
+        def on_gpu_arch(self, _original=original):
+            return torch.cuda.is_available() and _original(self)
+
+        setattr(checker_cls, name, _mark(on_gpu_arch, original))
+
+
 def _cpu_flash_attn_call(query, key, value, dropout_p, is_causal, attention_kwargs=None):
     """Attention with log-sum-exp on CPU: torch's CPU flash kernel, layout [B, H, L, D].
 
@@ -122,6 +138,9 @@ def _cpu_flash_attn_call(query, key, value, dropout_p, is_causal, attention_kwar
     is what torch's ``_templated_ring_attention`` (USP's ring) merges with.
     """
     attn_mask = attention_kwargs.get("attn_mask") if attention_kwargs else None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the op takes additive masks
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(
+            ~attn_mask, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p=dropout_p, is_causal=is_causal, attn_mask=attn_mask)
     return out, lse
@@ -309,7 +328,7 @@ def patch_runner_main(base_model: ModuleType) -> None:
 # module name -> patches to run right after the module body has executed (CPU only)
 _HOOKS: dict[str, tuple[Callable[[ModuleType], None], ...]] = {
     "xfuser.envs": (patch_envs_device_version, patch_envs_distributed_backend,
-                    patch_envs_long_ctx_check),
+                    patch_envs_long_ctx_check, patch_envs_gpu_arch),
     "xfuser.core.distributed.attention_backend": (patch_sdpa_flash_backend_cpu,),
     "xfuser.core.distributed.runtime_state": (patch_runtime_state_backend_selection,),
     "xfuser.model_executor.layers.usp": (patch_process_group_global,),

@@ -28,7 +28,7 @@ from ...groups import build_groups
 from ...log import get_logger, log_once
 from ...mesh import Mesh, choose_mesh
 from ...strategies.registry import get as get_spec
-from ...topology import Topology, TopologyError, detect_topology
+from ...topology import Topology, TopologyError, detect_topology, subset_topology
 from . import compat, state
 from .fallbacks import fallback_reason
 from .hooks import on_prefix_import
@@ -104,6 +104,7 @@ class _Route:
     ctx: SequenceParallelContext
     original: object          # xFuser's USP
     owns_state: bool          # we built xFuser's parallel state (restore tears it down)
+    fp8_comms: bool = False   # the strategy sends inter-machine transfers as FP8
 
 
 _route: _Route | None = None
@@ -122,6 +123,28 @@ def rebind(old: object, new: object, name: str = "USP") -> None:
         if (mod_name == "xfuser" or mod_name.startswith("xfuser.")) and mod is not None \
                 and mod.__dict__.get(name) is old:
             setattr(mod, name, new)
+
+
+# xFuser modules whose attention processors keep the ``USP`` of their construction time
+# (``self.attention_function = USP`` / ``self.attention_method = USP``): a model built before
+# ``use_strategy`` would run xFuser's USP on every call, unseen by the strategy
+BINDS_USP_AT_INIT = (
+    "xfuser.model_executor.models.transformers.transformer_wan",
+    "xfuser.model_executor.models.transformers.transformer_ideogram4",
+    "xfuser.model_executor.models.transformers.transformer_ltx2",
+)
+
+
+def usp_at_call_time(*args, **kwargs) -> torch.Tensor:
+    """xFuser's ``USP`` as bound when called: the routed strategy's, or xFuser's own."""
+    return _usp_module().USP(*args, **kwargs)
+
+
+def bind_usp_at_call_time(module: ModuleType) -> None:
+    """Post-import hook for ``BINDS_USP_AT_INIT``: the module's ``USP`` global becomes
+    ``usp_at_call_time``, so processors that store it at construction still follow routing."""
+    if getattr(module, "USP", None) is not usp_at_call_time:
+        module.USP = usp_at_call_time
 
 
 def _rebind_new_module(module: ModuleType) -> None:
@@ -157,7 +180,8 @@ def routed_usp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ctx = route.ctx
     reason = fallback_reason(query, key, dropout_p, is_causal, attn_layer, backend,
                              attention_kwargs, head_balance_layer, kv_head_repeat,
-                             joint_strategy, ctx.num_heads)
+                             joint_strategy, ctx.num_heads, ctx.mesh.world_size,
+                             fp8_comms=route.fp8_comms)
     runs_usp = ctx._impl.spec is USP_SPEC  # xFuser's own USP gets every argument as given
     if runs_usp or reason is not None:
         if reason is not None:
@@ -171,22 +195,56 @@ def routed_usp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return route.original(query, key, value, dropout_p, is_causal, joint_query, joint_key,
                               joint_value, joint_strategy, attn_layer, combine_qkv_a2a, backend,
                               attention_kwargs, head_balance_layer, kv_head_repeat)
-    return ctx.attention(query, key, value, joint_query=joint_query, joint_key=joint_key,
-                         joint_value=joint_value, joint_strategy=joint_strategy)
+    fp8_layer = _fp8_calibrated_layer(route, attn_layer, head_balance_layer, joint_strategy)
+    if fp8_layer is not None:  # xFuser's calibration pass measures what its USP would (its
+        # scales stay unused: the strategy scales each slot itself); else its sync raises
+        from xfuser.core.distributed import get_runtime_state
+        from xfuser.core.distributed.fp8_comms import fp8_attention_kwargs
+        xstate = get_runtime_state()
+        fp8_state = xstate.fp8_comms
+        fp8_attention_kwargs(fp8_state, fp8_layer, query, key, value, False,
+                             backend if backend is not None else xstate.attention_backend)
+    # grouped-query K/V keep their heads; a key mask (Krea-2) is applied by the strategy
+    out = ctx.attention(query, key, value, joint_query=joint_query, joint_key=joint_key,
+                        joint_value=joint_value, joint_strategy=joint_strategy,
+                        key_mask=(attention_kwargs or {}).get("attn_mask"))
+    if fp8_layer is not None:
+        from xfuser.core.distributed.fp8_comms import fp8_observe_output
+        fp8_observe_output(fp8_state, fp8_layer, out, False)
+    return out
 
 
-def _ensure_xfuser_state(strategy: str, mesh: Mesh) -> bool:
-    """Build xFuser's groups for ``mesh`` (True) or check the existing ones agree (False)."""
-    groups = build_groups(mesh)
+def _fp8_calibrated_layer(route: _Route, attn_layer, head_balance_layer, joint_strategy):
+    """The attention layer xFuser's FP8 calibration observes in this call, or None."""
+    if not route.fp8_comms or joint_strategy is not None:
+        return None
+    from xfuser.core.distributed import get_runtime_state
+    layer = attn_layer if attn_layer is not None else head_balance_layer
+    if layer is None or getattr(get_runtime_state(), "fp8_comms", None) is None:
+        return None
+    return layer
+
+
+def _ensure_xfuser_state(strategy: str, mesh: Mesh,
+                         sp_groups: list[tuple[int, ...]] | None = None) -> bool:
+    """Build xFuser's groups for ``mesh`` on this rank's SP group of ``sp_groups`` (default:
+    the whole world) (True) or check the existing ones agree (False)."""
+    world = dist.get_world_size()
+    sp_groups = sp_groups or [tuple(range(world))]
+    members = next(g for g in sp_groups if dist.get_rank() in g)
+    groups = build_groups(mesh, members=members, sp_groups=sp_groups)
     if not state.xfuser_parallel_initialized():
         state.init_xfuser_parallel(mesh.ulysses, mesh.ring, mesh.placement, groups)
         return True
     u, r, sp_ranks = state.xfuser_sp_layout()
-    world = dist.get_world_size()
-    if sp_ranks != list(range(world)):
-        raise PluginError(f"--sp-strategy {strategy} needs one sequence-parallel group over all "
-                          f"{world} ranks, but xFuser's SP group is {sp_ranks} (data, CFG, "
-                          "PipeFusion or tensor parallelism is on); set those degrees to 1")
+    cfg = state.xfuser_cfg_degree()
+    if sp_ranks != sorted(members) or cfg != len(sp_groups):
+        raise PluginError(
+            f"--sp-strategy {strategy} runs on SP group {list(members)} of "
+            f"{len(sp_groups)} (CFG degree {len(sp_groups)}), but xFuser's SP group is "
+            f"{sp_ranks} with CFG degree {cfg} (data, PipeFusion or tensor parallelism, or a "
+            "different --use_cfg_parallel); set those degrees to 1 and pass the same "
+            "--use_cfg_parallel")
     if (u, r) != (mesh.ulysses, mesh.ring):
         raise PluginError(f"xFuser was initialised with Ulysses {u} x Ring {r}, but "
                           f"{strategy} uses {mesh.describe()}; pass --ulysses_degree "
@@ -200,16 +258,59 @@ def _ensure_xfuser_state(strategy: str, mesh: Mesh) -> bool:
     return False
 
 
+def cfg_sp_topology(strategy: str, world_topology: Topology,
+                    cfg_degree: int) -> tuple[list[tuple[int, ...]], Topology]:
+    """xFuser's SP groups for CFG degree ``cfg_degree`` on ``world_topology`` and the machines
+    x GPUs of each (the same for all), or ``PluginError`` naming the constraint."""
+    W = world_topology.world_size
+    if cfg_degree not in (1, 2) or W % cfg_degree:
+        raise PluginError(f"--sp-strategy {strategy}: CFG degree {cfg_degree} on {W} ranks; "
+                          "--use_cfg_parallel splits an even number of ranks in two")
+    groups = state.cfg_sp_groups(W, cfg_degree)
+    try:
+        tops = {subset_topology(world_topology, g) for g in groups}
+    except TopologyError as exc:
+        raise PluginError(f"--sp-strategy {strategy} with --use_cfg_parallel on topology "
+                          f"{world_topology}: each CFG half is one SP group of {W // cfg_degree} "
+                          f"ranks, and {exc}") from None
+    if len(tops) != 1:
+        raise PluginError(f"--sp-strategy {strategy} with --use_cfg_parallel on topology "
+                          f"{world_topology}: the CFG halves span machines differently "
+                          f"({', '.join(map(str, tops))})")
+    return groups, tops.pop()
+
+
+def check_sp_degrees(strategy: str, sp_topology: Topology, cfg_degree: int,
+                     ulysses_degree: int | None, ring_degree: int | None) -> None:
+    """``PluginError`` unless given degrees multiply to the SP group of a CFG split."""
+    if cfg_degree == 1 or (ulysses_degree is None and ring_degree is None):
+        return  # plan_mesh checks the degrees of one SP group over the whole world
+    W = sp_topology.world_size
+    u, r = ulysses_degree or W // (ring_degree or W), ring_degree or W // (ulysses_degree or W)
+    if u * r != W:
+        given = ", ".join(f"--{n} {d}" for n, d in (("ulysses_degree", ulysses_degree),
+                                                     ("ring_degree", ring_degree)) if d)
+        raise PluginError(f"Ulysses x Ring degree ({given}) must "
+                          f"equal the {W} ranks of each SP group (with --use_cfg_parallel the "
+                          f"{W * cfg_degree} ranks form {cfg_degree} SP groups, {sp_topology} "
+                          "each); fix the degrees or --topology")
+
+
 def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
                  ulysses_degree: int | None = None, ring_degree: int | None = None,
-                 timeout_s: float | None = None) -> SequenceParallelContext:
+                 timeout_s: float | None = None, cfg_degree: int = 1,
+                 fp8_comms: bool = False) -> SequenceParallelContext:
     """Route xFuser's ``USP`` (every model) to ``strategy``; return its context.
 
     Call after ``torch.distributed`` is initialised. Builds xFuser's parallel state with the
     strategy's placement and degrees when it does not exist yet, otherwise checks that it
-    agrees (``PluginError`` naming the mismatch). ``topology``: ``"NxM"`` override (else
-    ``$SWIFTFUSION_TOPOLOGY`` / detection). One strategy at a time: ``restore_usp()`` first
-    to switch.
+    agrees (``PluginError`` naming the mismatch). ``topology``: ``"NxM"`` override of the whole
+    world (else ``$SWIFTFUSION_TOPOLOGY`` / detection). ``cfg_degree=2`` (xFuser's
+    ``--use_cfg_parallel``): the strategy runs on each CFG half, xFuser's SP group (ranks
+    ``[0, W/2)`` and ``[W/2, W)``), with that half's machines as its topology (the context's
+    ``topology``, ``mesh`` and ``rank`` are its SP group's). One strategy at a time:
+    ``restore_usp()`` first to switch. ``fp8_comms`` (xFuser's ``--use_fp8_comms``): the
+    strategy sends what crosses machines as FP8 with per-slot scales (option ``fp8_comms``).
     """
     global _route
     check_strategy(strategy)
@@ -222,23 +323,30 @@ def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
             raise RuntimeError(f"strategy {_route.ctx.strategy!r} is already routed; call "
                                "restore_usp() before use_strategy() again")
         topo = detect_topology(dist.get_world_size(), topology)
-        mesh = plan_mesh(strategy, num_heads, topo, ulysses_degree, ring_degree)
+        sp_groups, sp_topo = cfg_sp_topology(strategy, topo, cfg_degree)
+        check_sp_degrees(strategy, sp_topo, cfg_degree, ulysses_degree, ring_degree)
+        mesh = plan_mesh(strategy, num_heads, sp_topo, ulysses_degree, ring_degree)
+        members = next(g for g in sp_groups if dist.get_rank() in g)
         on_prefix_import("xfuser.", _rebind_new_module)
         usp = _usp_module()
-        owns = _ensure_xfuser_state(strategy, mesh)
+        owns = _ensure_xfuser_state(strategy, mesh, sp_groups)
         try:  # xFuser's groups exist now: a usp context runs on them (and leaves them alone)
             ctx = init_sequence_parallel(
-                strategy, num_heads, topo, ulysses_degree=mesh.ulysses, ring_degree=mesh.ring,
-                timeout_s=timeout_s, options={"xfuser_usp": usp.USP, "usp_ulysses": mesh.ulysses})
+                strategy, num_heads, topo, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+                timeout_s=timeout_s, options={"xfuser_usp": usp.USP, "usp_ulysses": mesh.ulysses,
+                                              "fp8_comms": bool(fp8_comms)},
+                ranks=list(members))
         except BaseException:
             if owns:
                 state.destroy_xfuser_parallel()
             raise
-        _route = _Route(ctx, usp.USP, owns)
+        _route = _Route(ctx, usp.USP, owns, bool(fp8_comms))
         state.hold_original_usp(usp.USP)
         rebind(usp.USP, routed_usp)
-    logger.info(f"rank {ctx.rank}: xFuser USP routed to {ctx.strategy} ({mesh.describe()}, "
-                f"topology {topo})")
+    cfg = "" if cfg_degree == 1 else f", CFG half {list(members)} on {sp_topo}"
+    fp8 = ", FP8 across machines" if fp8_comms else ""
+    logger.info(f"rank {dist.get_rank()}: xFuser USP routed to {ctx.strategy} "
+                f"({mesh.describe()}, topology {topo}{cfg}{fp8})")
     return ctx
 
 

@@ -5,13 +5,19 @@ itself; this module brings up xFuser's own state on top of it, exactly the way x
 that xFuser's module-level ``USP()`` runs unmodified:
 
 - ``init_distributed_environment`` (keeps the existing default group, builds xFuser's world
-  GroupCoordinator), ``initialize_model_parallel(sequence_parallel_degree=W, ulysses_degree=,
-  ring_degree=)`` (xFuser's SP groups + ``yunchang.set_seq_parallel_pg``);
+  GroupCoordinator), ``initialize_model_parallel(classifier_free_guidance_degree=C,
+  sequence_parallel_degree=W/C, ulysses_degree=, ring_degree=)`` (xFuser's SP groups +
+  ``yunchang.set_seq_parallel_pg``);
 - a runtime state built from an ``EngineConfig`` that ``xFuserArgs(...).create_config()``
   produces (xFuser's ``ExternalRuntimeState`` class, "xDiT components outside xDiT").
 
 Placements (``mesh.py``): ``"usp"`` (xFuser's own, Ulysses groups contiguous) and ``"tas"``
 (ours, Ring groups contiguous, Ulysses strided across machines).
+
+CFG parallelism (``C = 2``): xFuser's rank order ``tp-sp-pp-cfg-dp`` (``RankGenerator``) with
+tensor, pipeline and data parallelism off makes the SP groups contiguous blocks of ``W/C``
+ranks (``cfg_sp_groups``: ``[0, W/2)`` and ``[W/2, W)``); each is one ``SPGroups`` member
+set, with our placement inside it.
 
 Groups come from the one groups module (``groups.SPGroups``): ``initialize_model_parallel`` does
 ``from yunchang import set_seq_parallel_pg`` inside its body, so ``yunchang.set_seq_parallel_pg``
@@ -35,11 +41,25 @@ from ...topology import Topology
 from . import compat
 
 
-def sp_groups(ulysses_degree: int, ring_degree: int, placement: str) -> SPGroups:
-    """Our groups for one SP group over the whole world (rank lists do not depend on the
-    machines, only on the placement and degrees)."""
-    world = ulysses_degree * ring_degree
-    return build_groups(Mesh(Topology(1, world), ulysses_degree, ring_degree, placement))
+def cfg_sp_groups(world_size: int, cfg_degree: int = 1) -> list[tuple[int, ...]]:
+    """xFuser's SP groups on ``world_size`` ranks with CFG degree ``cfg_degree`` (tensor,
+    pipeline and data parallelism 1), from xFuser's own ``RankGenerator``."""
+    from xfuser.core.distributed.utils import RankGenerator
+    if cfg_degree < 1 or world_size % cfg_degree:
+        raise ValueError(f"CFG degree {cfg_degree} does not divide the world size {world_size}")
+    gen = RankGenerator(1, world_size // cfg_degree, 1, cfg_degree, 1, 1, "tp-sp-pp-cfg-dp")
+    return [tuple(g) for g in gen.get_ranks("sp")]
+
+
+def sp_groups(ulysses_degree: int, ring_degree: int, placement: str,
+              cfg_degree: int = 1) -> SPGroups:
+    """Our groups for this rank's SP group (``cfg_sp_groups``; the whole world without CFG);
+    rank lists do not depend on the machines, only on the placement and degrees."""
+    sp = ulysses_degree * ring_degree
+    groups = cfg_sp_groups(sp * cfg_degree, cfg_degree)
+    members = next(g for g in groups if dist.get_rank() in g)
+    return build_groups(Mesh(Topology(1, sp), ulysses_degree, ring_degree, placement),
+                        members=members, sp_groups=groups)
 
 
 @contextlib.contextmanager
@@ -78,7 +98,8 @@ def check_group_agreement(groups: SPGroups) -> None:
     ulysses_degree, ring_degree = groups.mesh.ulysses, groups.mesh.ring
     uly_ranks = _group_ranks(PROCESS_GROUP.ULYSSES_PG)
     ring_ranks = _group_ranks(PROCESS_GROUP.RING_PG)
-    want_uly, want_ring = sorted(groups.ulysses_ranks), sorted(groups.ring_ranks)
+    want_uly = sorted(map(groups.to_global, groups.ulysses_ranks))
+    want_ring = sorted(map(groups.to_global, groups.ring_ranks))
     problems = []
     if uly_ranks != want_uly:
         problems.append(f"yunchang Ulysses group {uly_ranks} != expected {want_uly}")
@@ -96,8 +117,12 @@ def check_group_agreement(groups: SPGroups) -> None:
                         f"{uly_ranks.index(rank)}")
     if ps.get_ring_parallel_rank() != ring_ranks.index(rank):
         problems.append(f"xFuser Ring rank {ps.get_ring_parallel_rank()} != {ring_ranks.index(rank)}")
-    if sorted(sp.ranks) != list(range(ulysses_degree * ring_degree)):
-        problems.append(f"xFuser SP group {sp.ranks} is not the whole world")
+    if list(sp.ranks) != list(groups.global_members):
+        problems.append(f"xFuser SP group {sp.ranks} is not our SP group "
+                        f"{list(groups.global_members)}")
+    cfg = ps.get_classifier_free_guidance_world_size()
+    if cfg != len(groups.all_sp_groups):
+        problems.append(f"xFuser CFG degree {cfg}, our SP groups {len(groups.all_sp_groups)}")
     if problems:
         raise AssertionError(f"rank {rank}, placement {groups.mesh.placement}: " + "; ".join(problems))
 
@@ -122,19 +147,30 @@ def _check_backend_lse(backend) -> None:
 
 
 def init_xfuser_parallel(ulysses_degree: int, ring_degree: int, placement: str = "usp",
-                         groups: SPGroups | None = None) -> None:
-    """Bring up xFuser's groups and runtime state (SP over the whole world) the xFuser way,
-    on ``groups`` (default: ``sp_groups(ulysses_degree, ring_degree, placement)``)."""
+                         groups: SPGroups | None = None, cfg_degree: int | None = None) -> None:
+    """Bring up xFuser's groups and runtime state the xFuser way: SP over the whole world, or,
+    with CFG degree 2 (``cfg_degree``, or two SP groups in ``groups``), over each half; on
+    ``groups`` (default: ``sp_groups(ulysses_degree, ring_degree, placement, cfg_degree)``)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
     if not dist.is_initialized():
         raise RuntimeError("init_xfuser_parallel needs an initialised torch.distributed world")
     world = dist.get_world_size()
-    if ulysses_degree < 1 or ring_degree < 1 or ulysses_degree * ring_degree != world:
-        raise ValueError(f"ulysses_degree {ulysses_degree} x ring_degree {ring_degree} "
-                         f"!= world size {world}")
+    cfg = len(groups.all_sp_groups) if groups is not None else (cfg_degree or 1)
+    if cfg_degree is not None and cfg != cfg_degree:
+        raise ValueError(f"CFG degree {cfg_degree}, but the groups have {cfg} SP groups")
+    if cfg not in (1, 2):
+        raise ValueError(f"{cfg} SP groups: xFuser's CFG parallelism has degree 2 "
+                         "(--use_cfg_parallel); other splits of the world are not supported")
+    if ulysses_degree < 1 or ring_degree < 1 or ulysses_degree * ring_degree * cfg != world:
+        raise ValueError(f"ulysses_degree {ulysses_degree} x ring_degree {ring_degree} x CFG "
+                         f"degree {cfg} != world size {world}")
     compat.apply()
-    groups = groups if groups is not None else sp_groups(ulysses_degree, ring_degree, placement)
+    groups = groups if groups is not None else sp_groups(ulysses_degree, ring_degree, placement,
+                                                         cfg)
+    if list(groups.all_sp_groups) != cfg_sp_groups(world, cfg):
+        raise ValueError(f"SP groups {[list(g) for g in groups.all_sp_groups]} are not xFuser's "
+                         f"{[list(g) for g in cfg_sp_groups(world, cfg)]} for CFG degree {cfg}")
 
     from xfuser.config import xFuserArgs
     from xfuser.core.distributed import parallel_state as ps
@@ -151,13 +187,14 @@ def init_xfuser_parallel(ulysses_degree: int, ring_degree: int, placement: str =
         ps.init_distributed_environment(world_size=world, rank=dist.get_rank(),
                                         local_rank=local_rank, backend=backend)
         with _yunchang_groups(groups):
-            ps.initialize_model_parallel(sequence_parallel_degree=world,
+            ps.initialize_model_parallel(classifier_free_guidance_degree=cfg,
+                                         sequence_parallel_degree=ulysses_degree * ring_degree,
                                          ulysses_degree=ulysses_degree,
                                          ring_degree=ring_degree,
                                          backend=backend)
         # Runtime state: USP reads attention_backend, runtime_config and fp8_comms from it.
-        engine_config, _ = xFuserArgs(ulysses_degree=ulysses_degree,
-                                      ring_degree=ring_degree).create_config()
+        engine_config, _ = xFuserArgs(ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+                                      use_cfg_parallel=cfg == 2).create_config()
         state = rs.ExternalRuntimeState.__new__(rs.ExternalRuntimeState)
         rs.RuntimeState.__init__(state, engine_config)  # ExternalRuntimeState: no env re-init
         rs._RUNTIME = state
@@ -213,6 +250,12 @@ def xfuser_sp_layout() -> tuple[int, int, list[int]]:
             sorted(ps.get_sp_group().ranks))
 
 
+def xfuser_cfg_degree() -> int:
+    """xFuser's current CFG degree (2 with ``--use_cfg_parallel``)."""
+    from xfuser.core.distributed import parallel_state as ps
+    return ps.get_classifier_free_guidance_world_size()
+
+
 def ring_rotate_method() -> str:
     """The K/V rotation torch's _templated_ring_attention (USP's ring) currently uses."""
     from torch.distributed.tensor.experimental._attention import _cp_options
@@ -245,4 +288,5 @@ def destroy_xfuser_parallel() -> None:
 
 __all__ = ["init_xfuser_parallel", "xfuser_usp", "original_usp", "hold_original_usp",
            "destroy_xfuser_parallel", "xfuser_parallel_initialized", "xfuser_sp_layout",
-           "check_group_agreement", "sp_groups", "ring_rotate_method"]
+           "check_group_agreement", "sp_groups", "cfg_sp_groups", "xfuser_cfg_degree",
+           "ring_rotate_method"]

@@ -1,4 +1,4 @@
-"""Sequence parallelism for diffusers' Flux and CogVideoX pipelines, the xFuser way.
+"""Sequence parallelism for diffusers' Flux, CogVideoX and Wan pipelines, the xFuser way.
 
 ``parallelize_flux(pipe)`` / ``parallelize_cogvideox(pipe)`` wrap ``pipe.transformer`` so that
 each SP rank (xFuser's ``get_sequence_parallel_rank``) holds a contiguous 1/W of the image
@@ -15,9 +15,17 @@ cogvideox_usp_example.py``) with their bugs fixed:
 - image tokens must split evenly (no zero padding, which would add keys): a clear error names
   the constraint otherwise.
 
+``parallelize_wan(pipe)`` puts xFuser's own ``xFuserWanTransformer3DWrapper`` in place of
+``pipe.transformer`` (same weights), set up as xFuser's Wan runner loads it (its
+``attention_kwargs`` from ``_build_attention_kwargs``, xFuser's ``DiTRuntimeState`` built from
+the pipeline; ``integrations.xfuser.install`` makes its processors look ``USP`` up per call);
+the wrapper shards the video tokens itself. Its zero padding of a token count
+that does not split evenly would add keys, so that count must split evenly (``check_shapes``).
+
 Layouts: Flux packed latents ``[B, L, C]`` (L = image tokens, row-major), ids ``[L, 3]``;
 CogVideoX latents ``[B, F, C, H, W]``, sharded by latent rows (``H / W_sp`` rows per rank, a
-multiple of the patch size), tokens per frame row-major.
+multiple of the patch size), tokens per frame row-major; Wan latents ``[B, C, F, H, W]``,
+tokens ``(F, H/2, W/2)`` row-major, contiguous ``1/W_sp`` per rank.
 """
 from __future__ import annotations
 
@@ -215,33 +223,94 @@ def parallelize_cogvideox(pipe) -> None:
     transformer._swiftfusion_sp = True
 
 
+def install_runner_runtime_state(pipe) -> None:
+    """xFuser's runtime state as its runner builds it for ``pipe``
+    (``initialize_runtime_state(pipe, engine_config)``: a ``DiTRuntimeState``), on the
+    xFuser groups that exist now; kept while they do (rebuilt after a new ``use_strategy``)."""
+    from xfuser.config import xFuserArgs
+    from xfuser.core.distributed import (get_ring_parallel_world_size,
+                                         get_ulysses_parallel_world_size)
+    from xfuser.core.distributed import runtime_state as rs
+    if isinstance(rs._RUNTIME, rs.DiTRuntimeState):
+        return
+    engine_config, _ = xFuserArgs(model="swiftfusion", ulysses_degree=get_ulysses_parallel_world_size(),
+                                  ring_degree=get_ring_parallel_world_size()).create_config()
+    rs._RUNTIME = rs.DiTRuntimeState(pipe, engine_config)
+
+
+def parallelize_wan(pipe) -> None:
+    """Replace a ``WanPipeline``'s transformer with xFuser's ``xFuserWanTransformer3DWrapper``
+    (same config and weights; in place, idempotent). Every forward runs on xFuser's runtime
+    state for the pipeline (``install_runner_runtime_state``)."""
+    from xfuser.model_executor.models.runner_models.wan import _build_attention_kwargs
+    from xfuser.model_executor.models.transformers.transformer_wan import (
+        xFuserWanTransformer3DWrapper)
+    from xfuser.config import xFuserArgs
+
+    transformer = pipe.transformer
+    if getattr(transformer, "_swiftfusion_sp", False):
+        return
+    if type(transformer).__name__ != "WanTransformer3DModel":
+        raise NotImplementedError(f"parallelize_wan: {type(transformer).__name__} is not "
+                                  "supported; expected WanTransformer3DModel (Wan 2.1 / 2.2)")
+    # the runner: load_transformer(xFuserWanTransformer3DWrapper, init_kwargs=
+    # {"attention_kwargs": _build_attention_kwargs(config)}), xFuser's defaults here
+    config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
+    kwargs = {"attention_kwargs": _build_attention_kwargs(xFuserArgs(model="swiftfusion"))}
+    wrapper = xFuserWanTransformer3DWrapper(**config, **kwargs)
+    # the pipeline's own tensors (dtype per module, e.g. diffusers' fp32-kept norms), no copy
+    wrapper.load_state_dict(transformer.state_dict(), strict=True, assign=True)
+    wrapper.to(transformer.device).eval()           # the non-persistent buffers
+    original_forward = wrapper.forward
+
+    @functools.wraps(original_forward)
+    def forward(hidden_states, *args, **kw):
+        world, _, _ = _sp()
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = wrapper.config.patch_size
+        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+        _check_split(f"Wan video tokens ({frames // p_t} x {height // p_h} x {width // p_w} "
+                     "latent patches)", tokens, world,
+                     "choose a size and frame count whose latent patch count splits evenly "
+                     "(xFuser's Wan wrapper pads with tokens that would become attention keys)")
+        install_runner_runtime_state(pipe)
+        return original_forward(hidden_states, *args, **kw)
+
+    wrapper.forward = forward
+    wrapper._swiftfusion_sp = True
+    pipe.transformer = wrapper
+
+
 # --------------------------------------------------------------------------------------------
 # Loading, running and binding a strategy (shared by the examples and ``swiftfusion compare``)
 # --------------------------------------------------------------------------------------------
 
-KINDS = {"FluxPipeline": "flux", "CogVideoXPipeline": "cogvideox"}
-PARALLELIZE = {"flux": parallelize_flux, "cogvideox": parallelize_cogvideox}
+KINDS = {"FluxPipeline": "flux", "CogVideoXPipeline": "cogvideox", "WanPipeline": "wan"}
+PARALLELIZE = {"flux": parallelize_flux, "cogvideox": parallelize_cogvideox,
+               "wan": parallelize_wan}
+TINY = tuple(f"tiny-{kind}" for kind in PARALLELIZE)
 
 
 def resolve_model(model: str, kind: str | None = None) -> tuple[str, str]:
-    """``(kind, checkpoint dir)`` for ``tiny-flux`` / ``tiny-cogvideox`` / ``tiny`` (with
-    ``kind``) or a local diffusers checkpoint directory (kind read from model_index.json)."""
+    """``(kind, checkpoint dir)`` for ``tiny-flux`` / ``tiny-cogvideox`` / ``tiny-wan`` /
+    ``tiny`` (with ``kind``) or a local diffusers checkpoint directory (kind read from
+    model_index.json)."""
     from .tiny import tiny_checkpoint
     name = model.strip()
-    if name in ("tiny-flux", "tiny-cogvideox"):
+    if name in TINY:
         want = name.removeprefix("tiny-")
         if kind is not None and kind != want:
             raise ValueError(f"--model {name} is a {want} model, this entry point runs {kind}")
         return want, tiny_checkpoint(want)
     if name == "tiny":
         if kind is None:
-            raise ValueError("--model tiny is ambiguous here; use tiny-flux or tiny-cogvideox")
+            raise ValueError(f"--model tiny is ambiguous here; use {', '.join(TINY)}")
         return kind, tiny_checkpoint(kind)
     index = Path(name) / "model_index.json"
     if not index.is_file():
         raise ValueError(f"--model {name!r}: not a local diffusers checkpoint (no {index}); "
-                         "pass a directory holding a FLUX.1 / CogVideoX checkpoint, or "
-                         "tiny-flux / tiny-cogvideox (the model hub is not used)")
+                         "pass a directory holding a FLUX.1 / CogVideoX / Wan checkpoint, or "
+                         f"{' / '.join(TINY)} (the model hub is not used)")
     cls = json.loads(index.read_text()).get("_class_name", "")
     if cls not in KINDS:
         raise ValueError(f"--model {name}: pipeline {cls!r} is not supported; expected one of "
@@ -252,13 +321,14 @@ def resolve_model(model: str, kind: str | None = None) -> tuple[str, str]:
 
 
 def load_pipeline(path: str, kind: str, dtype: torch.dtype, device: torch.device):
-    """``FluxPipeline`` / ``CogVideoXPipeline.from_pretrained(path)`` (local files only)."""
+    """``FluxPipeline`` / ``CogVideoXPipeline`` / ``WanPipeline.from_pretrained(path)`` (local
+    files only)."""
     import diffusers
     import transformers
-    from diffusers import CogVideoXPipeline, FluxPipeline
+    from diffusers import CogVideoXPipeline, FluxPipeline, WanPipeline
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    cls = FluxPipeline if kind == "flux" else CogVideoXPipeline
+    cls = {"flux": FluxPipeline, "cogvideox": CogVideoXPipeline, "wan": WanPipeline}[kind]
     pipe = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
@@ -268,7 +338,8 @@ def generate_latents(pipe, kind: str, *, prompt: str, height: int, width: int, n
                      steps: int, seed: int, guidance_scale: float, max_sequence_length: int,
                      on_step: Callable[[int], None] | None = None, output_type: str = "latent"):
     """One denoising run. ``output_type="latent"``: Flux ``[B, L, C]`` packed latents,
-    CogVideoX ``[B, F, C, H, W]``; otherwise the pipeline's decoded images / frames.
+    CogVideoX ``[B, F, C, H, W]``, Wan ``[B, C, F, H, W]``; otherwise the pipeline's decoded
+    images / frames.
     ``on_step(i)`` is called after every step (after its transformer call)."""
     device = pipe._execution_device
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -284,14 +355,17 @@ def generate_latents(pipe, kind: str, *, prompt: str, height: int, width: int, n
     return out.to(device) if isinstance(out, torch.Tensor) else out
 
 
-def check_shapes(kind: str, path: str, height: int, width: int, world: int) -> None:
+def check_shapes(kind: str, path: str, height: int, width: int, world: int,
+                 num_frames: int = 1) -> None:
     """The image sequence must split evenly over ``world`` ranks (raises
     ``ShapeError`` naming the constraint). Heads need no check: the Ulysses degree
-    is ``gcd(world, heads)`` and Ring takes the rest."""
+    is ``gcd(world, heads)`` and Ring takes the rest. ``num_frames``: Wan's video length."""
     import json
     from pathlib import Path
     tcfg = json.loads((Path(path) / "transformer" / "config.json").read_text())
     vcfg = json.loads((Path(path) / "vae" / "config.json").read_text())
+    if kind == "wan":
+        return _check_wan_shapes(tcfg, vcfg, height, width, world, num_frames)
     vae = 2 ** (len(vcfg["block_out_channels"]) - 1)
     if kind == "flux":
         pack = 2 * vae
@@ -314,6 +388,28 @@ def check_shapes(kind: str, path: str, height: int, width: int, world: int) -> N
             raise ShapeError(f"--width must be a multiple of {vae * tcfg['patch_size']}")
 
 
+def _check_wan_shapes(tcfg: dict, vcfg: dict, height: int, width: int, world: int,
+                      num_frames: int) -> None:
+    """Wan: the latent patch count ``(F' / p_t) (H / 8 p_h) (W / 8 p_w)`` must split evenly."""
+    spatial = 2 ** sum(1 for _ in vcfg["temperal_downsample"])   # one 2x per down block
+    temporal = 2 ** sum(bool(t) for t in vcfg["temperal_downsample"])
+    p_t, p_h, p_w = tcfg["patch_size"]
+    if height % (spatial * p_h) or width % (spatial * p_w):
+        raise ShapeError(f"--height/--width must be multiples of {spatial * p_h} for this Wan "
+                         "checkpoint")
+    if (num_frames - 1) % temporal:
+        raise ShapeError(f"--num_frames must be 1 + a multiple of {temporal} for this Wan "
+                         "checkpoint")
+    frames = ((num_frames - 1) // temporal + 1) // p_t
+    tokens = frames * (height // (spatial * p_h)) * (width // (spatial * p_w))
+    if tokens % world:
+        raise ShapeError(
+            f"{num_frames} frames of {height}x{width} give {tokens} video tokens, not divisible "
+            f"by the {world} ranks (xFuser's Wan wrapper pads with tokens that would become "
+            "attention keys); choose a size or frame count whose token count is a multiple of "
+            f"{world}")
+
+
 @contextlib.contextmanager
 def strategy_session(strategy: str, num_heads: int, topology: str | None = None,
                      ulysses_degree: int | None = None, ring_degree: int | None = None,
@@ -329,6 +425,7 @@ def strategy_session(strategy: str, num_heads: int, topology: str | None = None,
         restore_usp()  # closes ctx and tears down the xFuser state use_strategy built
 
 
-__all__ = ["parallelize_flux", "parallelize_cogvideox", "FluxUSPAttnProcessor", "resolve_model",
+__all__ = ["parallelize_flux", "parallelize_cogvideox", "parallelize_wan",
+           "install_runner_runtime_state", "FluxUSPAttnProcessor", "resolve_model",
            "load_pipeline", "generate_latents", "strategy_session", "check_shapes", "ShapeError",
            "PARALLELIZE"]

@@ -1,12 +1,14 @@
-"""Tiny, randomly initialised diffusers checkpoints with the real Flux / CogVideoX architectures.
+"""Tiny, randomly initialised diffusers checkpoints with the real Flux / CogVideoX / Wan
+architectures.
 
 No model hub is reachable on the development machines, so the default model of the examples
 and of ``swiftfusion compare`` is written locally: the real transformer classes
 (``FluxTransformer2DModel`` with double and single blocks and joint text,
-``CogVideoXTransformer3DModel`` with text), real text encoders (CLIP + T5 for Flux, T5 for
-CogVideoX), tokenizers built from a small vocabulary, real VAEs and schedulers, saved with
-``save_pretrained`` so that ``FluxPipeline.from_pretrained(path)`` /
-``CogVideoXPipeline.from_pretrained(path)`` load them exactly like a real checkpoint.
+``CogVideoXTransformer3DModel`` with text, ``WanTransformer3DModel`` (Wan 2.1 text-to-video)),
+real text encoders (CLIP + T5 for Flux, T5 for CogVideoX, UMT5 for Wan), tokenizers built from
+a small vocabulary, real VAEs and schedulers, saved with ``save_pretrained`` so that
+``FluxPipeline`` / ``CogVideoXPipeline`` / ``WanPipeline.from_pretrained(path)`` load them
+exactly like a real checkpoint.
 
 Invariants:
 - 24 attention heads (Ulysses degree ``gcd(N*M, 24)`` works on 2x2, 2x4, 3x2, 4x2, ...);
@@ -33,7 +35,7 @@ logger = get_logger(__name__)
 
 CACHE_ENV = "SWIFTFUSION_CACHE"
 RECIPE_VERSION = 1
-KINDS = ("flux", "cogvideox")
+KINDS = ("flux", "cogvideox", "wan")
 _DONE = ".complete"
 
 HEADS, HEAD_DIM = 24, 16
@@ -70,6 +72,14 @@ COG_SCHEDULER = dict(num_train_timesteps=1000, beta_schedule="scaled_linear",
                      beta_start=0.00085, beta_end=0.012, clip_sample=False,
                      prediction_type="v_prediction", rescale_betas_zero_snr=True,
                      set_alpha_to_one=True, snr_shift_scale=3.0, timestep_spacing="trailing")
+WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                       in_channels=16, out_channels=16, text_dim=TEXT_DIM, freq_dim=32,
+                       ffn_dim=64, num_layers=2, cross_attn_norm=True,
+                       qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+# 8x spatial, 4x temporal compression (Wan 2.1's): 9 frames of 64 x 64 -> 3 x 8 x 8 latents
+WAN_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+               temperal_downsample=[False, True, True])
+WAN_SCHEDULER = dict(num_train_timesteps=1000, shift=5.0)
 T5 = dict(d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
           feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
           relative_attention_max_distance=16, dropout_rate=0.0, pad_token_id=0,
@@ -144,9 +154,27 @@ def save_tiny_cogvideox(path: str, seed: int = 0) -> str:
     return _save(pipe, path)
 
 
-_SAVERS = {"flux": save_tiny_flux, "cogvideox": save_tiny_cogvideox}
+def save_tiny_wan(path: str, seed: int = 0) -> str:
+    """Write a complete tiny Wan 2.1 text-to-video checkpoint (``WanPipeline.from_pretrained``)."""
+    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline,
+                           WanTransformer3DModel)
+    from transformers import UMT5Config, UMT5EncoderModel
+    torch.manual_seed(seed)
+    tok = _t5_tokenizer()
+    pipe = WanPipeline(
+        tokenizer=tok,
+        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tok), **T5)).eval(),
+        vae=AutoencoderKLWan(**WAN_VAE).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(**WAN_SCHEDULER),
+        transformer=WanTransformer3DModel(**WAN_TRANSFORMER).eval(),
+    )
+    return _save(pipe, path)
+
+
+_SAVERS = {"flux": save_tiny_flux, "cogvideox": save_tiny_cogvideox, "wan": save_tiny_wan}
 _RECIPES = {"flux": (FLUX_TRANSFORMER, FLUX_VAE, FLUX_SCHEDULER, T5, CLIP, WORDS),
-            "cogvideox": (COG_TRANSFORMER, COG_VAE, COG_SCHEDULER, T5, WORDS)}
+            "cogvideox": (COG_TRANSFORMER, COG_VAE, COG_SCHEDULER, T5, WORDS),
+            "wan": (WAN_TRANSFORMER, WAN_VAE, WAN_SCHEDULER, T5, WORDS)}
 
 
 def cache_dir() -> Path:
@@ -163,7 +191,8 @@ def recipe_hash(kind: str, seed: int = 0) -> str:
 
 
 def tiny_checkpoint(kind: str, seed: int = 0) -> str:
-    """Path of the cached tiny ``kind`` checkpoint ("flux" | "cogvideox"), built on first use.
+    """Path of the cached tiny ``kind`` checkpoint ("flux" | "cogvideox" | "wan"), built on
+    first use.
 
     Built into a temporary sibling directory and renamed into place, so concurrent callers
     never see a half-written checkpoint.
@@ -199,5 +228,5 @@ def checkpoint_digest(path: str) -> str:
     return h.hexdigest()
 
 
-__all__ = ["save_tiny_flux", "save_tiny_cogvideox", "tiny_checkpoint", "checkpoint_digest",
+__all__ = ["save_tiny_flux", "save_tiny_cogvideox", "save_tiny_wan", "tiny_checkpoint", "checkpoint_digest",
            "recipe_hash", "cache_dir", "KINDS", "HEADS"]
