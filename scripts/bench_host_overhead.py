@@ -5,17 +5,14 @@ issued, waits, barriers).
     python scripts/bench_host_overhead.py --topology 4x2 --calls 60 --json out.json
 
 Per strategy: median and mean wall time per call over ``--calls`` calls (after ``--warmup``),
-the slowest rank's per call (all ranks barrier before each call); the CPU time per call of all
-ranks together (every thread: compute, copy and proxy threads, gloo's; the timing barriers
-included); and, where ``ctx.stats()`` has them, the host operations per call. Runs on any checkout of the package (the import paths
+the slowest rank's per call (all ranks barrier before each call), and, where ``ctx.stats()``
+has them, the host operations per call. Runs on any checkout of the package (the import paths
 of the emulation moved once); pass ``--label`` to name the run.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
@@ -31,17 +28,6 @@ except ImportError:  # checkouts before the emulation moved into its own package
     from xfuser_swiftfusion.launcher import run_emulated
 
 OPS = ("transfers", "grouped_exchanges", "barriers", "attend_calls")
-CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
-        return (f"{info['model name'].strip()} (family {info['cpu family'].strip()} model "
-                f"{info['model'].strip()}), {os.cpu_count()} cores")
-    except (OSError, KeyError, ValueError):
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup: int,
@@ -56,7 +42,6 @@ def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup:
                 ctx.attention(q, k, v)
             ctx.reset_stats()
             times = []
-            cpu0 = time.process_time()
             for _ in range(calls):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -64,12 +49,9 @@ def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup:
                 t = torch.tensor([time.perf_counter() - t0])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's call
                 times.append(t.item())
-            cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
-            dist.all_reduce(cpu)  # all ranks together
             stats = ctx.stats()
             out[strategy] = {"ran": ctx.strategy, "mesh": ctx.mesh.describe(),
                              "median_s": statistics.median(times), "mean_s": statistics.fmean(times),
-                             "cpu_s": cpu.item() / calls,
                              **{k: stats[k] / stats["calls"] for k in OPS if k in stats}}
     return out
 
@@ -88,28 +70,19 @@ def main() -> None:
     args = p.parse_args()
     label = args.label or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()
-    cross_node = os.environ.get(CROSS_NODE_ENV, "proxy")
-    load = [os.getloadavg()[0]]
     rows = run_emulated(_rank, args.topology, args.strategies.split(","), args.heads, args.tokens,
                         args.head_dim, args.warmup, args.calls, timeout_s=1200)[0]
-    load.append(os.getloadavg()[0])
-    print(f"host overhead per call, {label}, emulated {args.topology} ({cross_node} across "
-          f"machines), B1 H{args.heads} S_local {args.tokens} D{args.head_dim} fp32, {args.calls} "
-          f"calls; {_cpu_model()}, load {load[0]:.1f} -> {load[1]:.1f}")
-    print(f"{'strategy':<12} {'ran':<12} {'median ms':>9} {'mean ms':>8} {'CPU ms':>7} "
-          + " ".join(f"{k:>17}" for k in OPS))
+    print(f"host overhead per call, {label}, emulated {args.topology}, B1 H{args.heads} "
+          f"S_local {args.tokens} D{args.head_dim} fp32, {args.calls} calls")
+    print(f"{'strategy':<12} {'ran':<12} {'median ms':>9} {'mean ms':>8} " + " ".join(f"{k:>17}" for k in OPS))
     for s, r in rows.items():
         ops = " ".join(f"{r[k]:>17.1f}" if k in r else f"{'-':>17}" for k in OPS)
-        print(f"{s:<12} {r['ran']:<12} {r['median_s'] * 1e3:>9.2f} {r['mean_s'] * 1e3:>8.2f} "
-              f"{r['cpu_s'] * 1e3:>7.1f} {ops}")
+        print(f"{s:<12} {r['ran']:<12} {r['median_s'] * 1e3:>9.2f} {r['mean_s'] * 1e3:>8.2f} {ops}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": label, "topology": args.topology, "cross_node": cross_node,
-                       "cpu": _cpu_model(), "load_1min": load, "rows": rows,
-                       "command": " ".join([f"{CROSS_NODE_ENV}={cross_node}" if cross_node != "proxy" else "",
-                                            "scripts/bench_host_overhead.py", f"--topology {args.topology}",
-                                            f"--strategies {args.strategies}",
-                                            f"--calls {args.calls}", f"--warmup {args.warmup}"]).strip()},
+            json.dump({"label": label, "topology": args.topology, "rows": rows,
+                       "command": " ".join(["scripts/bench_host_overhead.py", f"--topology {args.topology}",
+                                            f"--calls {args.calls}", f"--warmup {args.warmup}"])},
                       f, indent=2)
 
 
