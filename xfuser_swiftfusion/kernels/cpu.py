@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .state import AttnState, joined_key_mask, key_bias, merge_masked_, merge_partial_, nonempty, repeat_kv
+from .state import AttnState, joined_kv, key_bias, merge_masked_, merge_partial_
 
 _sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BIG_TILE_ROWS = 768  # from this query length on the op tiles queries by 256 rows (64 below)
@@ -46,15 +46,10 @@ def attend_cpu(
     ``kv_chunks`` (K_j, V_j each [B, H_kv, Lk_j, D], H_kv dividing H; query head i uses K/V
     head i // (H / H_kv)). ``key_masks[j]``: [B, Lk_j] bool (True = attend) or None. Inputs
     must share one dtype."""
-    key_masks = [m for (k, _), m in zip(kv_chunks, key_masks)
-                 if k.shape[2] > 0] if key_masks is not None else None
-    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
-    if not kv_chunks or not work:
+    joined = joined_kv(q_chunks, kv_chunks, states, key_masks, _joined)
+    if joined is None:
         return
-    H = work[0][0].shape[1]
-    k = repeat_kv(_joined([k for k, _ in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
-    v = repeat_kv(_joined([v for _, v in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
-    mask = joined_key_mask(key_masks, kv_chunks)  # [B, sum Lk_j] or None
+    work, k, v, mask = joined  # k, v [B, H, sum Lk_j, D]; mask [B, sum Lk_j] or None
     bias = None if mask is None else key_bias(mask, k.dtype)  # [B, 1, 1, sum Lk_j]
     dead = None if mask is None else ~mask.any(dim=1)  # [B]: every key masked
     for group in _groups(work):

@@ -11,7 +11,7 @@ A row that has seen no keys has acc = 0, l = 0, m = -inf. All tensors are fp32.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +113,26 @@ def joined_key_mask(key_masks: Sequence[torch.Tensor | None] | None,
     parts = [torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if m is None else m
              for (k, _), m in zip(kv_chunks, key_masks)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def joined_kv(q_chunks: Sequence[torch.Tensor], kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              states: Sequence[AttnState], key_masks: Sequence[torch.Tensor | None] | None,
+              join: Callable[[Sequence[torch.Tensor]], torch.Tensor]
+              ) -> tuple[list[tuple[torch.Tensor, AttnState]], torch.Tensor, torch.Tensor,
+                         torch.Tensor | None] | None:
+    """What a backend attends on concatenated K/V: the (Q chunk, state) pairs with rows, K and V
+    of the chunks with keys joined by ``join`` and repeated to the query heads
+    (``[B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]``), and their key masks joined
+    ``[B, sum Lk_j]`` (None: every key). None when there is nothing to attend."""
+    if key_masks is not None:
+        key_masks = [m for (k, _), m in zip(kv_chunks, key_masks) if k.shape[2] > 0]
+    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
+    if not kv_chunks or not work:
+        return None
+    H = work[0][0].shape[1]
+    k = repeat_kv(join([k for k, _ in kv_chunks]), H)
+    v = repeat_kv(join([v for _, v in kv_chunks]), H)
+    return work, k, v, joined_key_mask(key_masks, kv_chunks)
 
 
 def key_bias(mask: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .state import AttnState, joined_key_mask, key_bias, merge_masked_, merge_partial_, nonempty, repeat_kv
+from .state import AttnState, joined_kv, key_bias, merge_masked_, merge_partial_
 
 # (q, k, v [B, H, L, D], scale) -> (out [B, H, Lq, D], lse fp32 [B, H, >= Lq])
 AttnOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -104,15 +104,10 @@ def attend_torch(
     non-empty Q chunk on the concatenated K/V. Inputs share one dtype; ``op`` defaults to
     ``cuda_op(q)``. ``key_masks[j]``: [B, Lk_j] bool (True = attend) or None; with any mask
     the op is ``masked_efficient_op`` (``op`` must then be None)."""
-    key_masks = [m for (k, _), m in zip(kv_chunks, key_masks)
-                 if k.shape[2] > 0] if key_masks is not None else None
-    kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
-    if not kv_chunks or not work:
+    joined = joined_kv(q_chunks, kv_chunks, states, key_masks, _joined)
+    if joined is None:
         return
-    H = work[0][0].shape[1]
-    k = repeat_kv(_joined([k for k, _ in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
-    v = repeat_kv(_joined([v for _, v in kv_chunks]), H)  # [B, H_kv, sum Lk_j, D] -> [B, H, sum Lk_j, D]
-    mask = joined_key_mask(key_masks, kv_chunks)  # [B, sum Lk_j] or None
+    work, k, v, mask = joined  # k, v [B, H, sum Lk_j, D]; mask [B, sum Lk_j] or None
     dead = None
     if mask is not None:
         if op is not None:
