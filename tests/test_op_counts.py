@@ -13,6 +13,8 @@ Counted by ``ctx.stats()`` per call (no text tokens):
   (one get per pulled K/V block and per ring step), no grouped exchange, two global barriers
   and one ring-group sync per Pull-KV stage when R > 1.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,17 +42,22 @@ def expected(strategy: str, T: int, U: int, R: int) -> dict:
 
 
 def _counts(heads: int) -> dict:
+    """All three contexts open at once, their calls interleaved: each counts only its own."""
     S, D = 8, 8
     x = torch.randn(1, heads, S, D, generator=torch.Generator().manual_seed(dist.get_rank()))
-    out = {}
-    for strategy in ("tas", "torus", "swiftfusion"):
-        with sf.init_sequence_parallel(strategy, heads, timeout_s=60) as ctx:
+    strategies = ("tas", "torus", "swiftfusion")
+    with contextlib.ExitStack() as stack:
+        ctxs = [stack.enter_context(sf.init_sequence_parallel(s, heads, timeout_s=60))
+                for s in strategies]
+        for ctx in ctxs:
             ctx.attention(x, x, x)  # first call: shape check and buffers
             ctx.reset_stats()
-            for _ in range(2):
+        for _ in range(2):
+            for ctx in ctxs:
                 ctx.attention(x, x, x)
-            stats = ctx.stats()
-            m = ctx.mesh
+        out = {}
+        for strategy, ctx in zip(strategies, ctxs):
+            stats, m = ctx.stats(), ctx.mesh
             out[strategy] = ({k: stats[k] / stats["calls"] for k in
                               ("transfers", "grouped_exchanges", "barriers", "attend_calls")},
                              (m.torus, m.ulysses_intra, m.ring))

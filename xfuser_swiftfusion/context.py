@@ -91,7 +91,7 @@ class SequenceParallelContext:
     # global rank of each SP rank when the SP group is a subset of the world (CFG halves)
     members: tuple[int, ...] | None = None
     _checked: set = field(repr=False, default_factory=set)
-    _attends: int = field(repr=False, default_factory=lambda: attend_calls())
+    _attends: int = field(repr=False, default=0)  # local attention calls inside my calls
     _fallback_lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
     def record_fallback(self, reason: str) -> None:
@@ -135,6 +135,7 @@ class SequenceParallelContext:
         self._check_uniform(q, joint, scale, k.shape[1], mask)
         k, v, joint, kwargs = call_args(self._impl.spec, q, k, v, joint, mask)
         self.calls += 1
+        attends = attend_calls()  # process-wide: other contexts' calls do not count here
         try:
             return self._impl(q, k, v, joint, scale, **kwargs)
         except (CommTimeout, PeerFailure) as exc:
@@ -143,6 +144,8 @@ class SequenceParallelContext:
         except BaseException:
             self.failed = True
             raise
+        finally:
+            self._attends += attend_calls() - attends
 
     def _check_uniform(self, q: torch.Tensor, joint: Joint | None, scale: float,
                        heads_kv: int | None = None, key_mask: KeyMask | None = None) -> None:
@@ -198,12 +201,12 @@ class SequenceParallelContext:
                 "intra_node_bytes": total("intra_node_bytes"),
                 "inter_node_bytes": total("inter_node_bytes"),
                 "transfers": total("messages"), "grouped_exchanges": total("grouped_calls"),
-                "barriers": total("barriers"), "attend_calls": attend_calls() - self._attends,
+                "barriers": total("barriers"), "attend_calls": self._attends,
                 "symmetric_heap_bytes": heap, "fallbacks": dict(self.fallbacks)}
 
     def reset_stats(self) -> None:
         self.calls = 0
-        self._attends = attend_calls()
+        self._attends = 0
         self.fallbacks.clear()
         for c in self._comms:
             c.counter.reset()

@@ -10,9 +10,12 @@ random per communicator, chosen by rank 0), created ``O_EXCL`` with mode 0600, m
 nothing is left in /dev/shm once ``symmetric_empty`` returns, even if a rank is SIGKILLed.
 
 Each rank also owns a control buffer of ``1 + world_size`` int64: ``[0]`` its pid (0 once
-closed), ``[1 + p]`` how many barriers including rank ``p`` it has entered; a peer on another
-machine learns that count from a proxy ``ARRIVE`` message instead of reading it. Only the owner
-writes its control buffer (aligned int64 stores: no atomics needed on x86). A barrier over
+closed), ``[1 + p]`` how many barriers including rank ``p`` it has entered. Only the owner
+writes its control buffer (aligned int64 stores: no atomics needed on x86). A peer on another
+machine learns that count from a proxy ``ARRIVE`` message instead, one per machine: the
+lowest-numbered rank of the barrier on my machine receives it and writes it into the inbox of
+each rank it names, ``[world_size, ranks per machine]`` int64 per rank, column = local index of
+the receiving rank (one writer per cell; the count is the row's maximum). A barrier over
 ``G`` increments my count for every ``p`` in ``G`` and waits until each ``p`` has counted at
 least as many barriers including me; since any two ranks enter their common barriers in the
 same order (otherwise the program would deadlock on any backend), pairwise counts act as an
@@ -20,12 +23,15 @@ epoch per group without having to agree on group ids.
 
 Transfers run on one copy thread per queue (FIFO, like a CUDA stream), local copies and proxy
 requests alike; ``copy_`` and socket I/O release the GIL so transfers overlap compute on the
-main thread. The thread keeps up to ``_IN_FLIGHT`` proxy requests of one kind (all gets or
-all puts) in flight and completes them in order, so completion stays FIFO per queue; a local
-copy or a request of the other kind first waits for those in flight (a big GET reply and a
-big PUT payload crossing on one connection could each fill the socket buffers the other
-needs). A barrier first quiets both queues (a proxy ``PUT`` completes once applied); ``sync``
-is the same rendezvous without the quiet.
+main thread. The thread keeps proxy requests of one kind (all gets or all puts) in flight and
+completes them in order, so completion stays FIFO per queue: ``_IN_FLIGHT`` of any size, more
+while those in flight carry at most ``_WINDOW_BYTES`` (small transfers go out together, large
+ones reach a throttled link in issue order). It starts every request queued that may go, then
+sends them (``flush``: one ``sendmsg`` per connection). A local copy or a request of the other
+kind first waits for those in flight (a big GET reply and a big PUT payload crossing on one
+connection could each fill the socket buffers the other needs). A barrier first quiets both
+queues (a proxy ``PUT`` completes once applied); ``sync`` is the same rendezvous without the
+quiet.
 
 Failure: waits (barriers and handles) raise ``PeerFailure`` as soon as a rank they wait on has
 died or closed its communicator (on another machine: its proxy connection ended without /
@@ -54,7 +60,7 @@ from ..comm.base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, Symm
 from ..log import get_logger
 from .netns import NETNS_ENV
 from .procs import process_alive
-from .proxy import PROXY_ADDR_ENV, Proxy, view_meta
+from .proxy import PROXY_ADDR_ENV, Proxy, view_key
 
 log = get_logger("xfuser_swiftfusion.comm")
 
@@ -64,34 +70,68 @@ _LIVENESS_PERIOD_S = 0.01
 _MAX_POLL_S = 1e-3  # a waiting rank sleeps up to 1/10 of the time it has waited, at most this
 CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
 CROSS_NODE_MODES = ("proxy", "shm")
-_IN_FLIGHT = 2  # proxy requests per queue sent before the oldest reply is received
+_IN_FLIGHT = 2  # proxy requests per queue sent before the oldest reply is received, any size
+_WINDOW_BYTES = 1 << 18  # more requests go while those in flight carry at most this many bytes
+_UNKNOWN = 1 << 62  # size of a request that did not say (counts as large)
+_STOP = object()  # queued by ``_CopyQueue.stop``: the thread ends after the copies before it
+
+
+class _Done:
+    """A one-shot event (``set`` once; ``wait`` / ``is_set``), lighter than ``threading.Event``."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            self._lock.release()
+            return True
+        return self._set
 
 
 class _Copy:
     """One queued transfer: ``fn()`` does it, or, for a proxy request (``kind`` "put" or
-    "get"), sends it and returns the function that completes it; ``done`` is set after it
-    completed (``error`` if it raised)."""
+    "get", ``nbytes`` its payload), starts it and returns the function that completes it;
+    ``done`` is set after it completed (``error`` if it raised)."""
 
-    __slots__ = ("fn", "kind", "done", "error")
+    __slots__ = ("fn", "kind", "nbytes", "done", "error")
 
-    def __init__(self, fn: Callable[[], object], kind: str | None) -> None:
-        self.fn, self.kind = fn, kind
-        self.done = threading.Event()
+    def __init__(self, fn: Callable[[], object], kind: str | None, nbytes: int) -> None:
+        self.fn, self.kind, self.nbytes = fn, kind, nbytes
+        self.done = _Done()
         self.error: BaseException | None = None
 
 
 class _CopyQueue:
-    """A FIFO of copies executed by one daemon thread, completed in submission order."""
+    """A FIFO of copies executed by one daemon thread, completed in submission order.
 
-    def __init__(self, name: str) -> None:
-        self._jobs: queue_mod.SimpleQueue[_Copy | None] = queue_mod.SimpleQueue()
+    ``flush()`` (if given) sends the proxy requests started since the last call; the thread
+    calls it before it awaits any of them."""
+
+    def __init__(self, name: str, flush: Callable[[], None] | None = None) -> None:
+        self._jobs: queue_mod.SimpleQueue[_Copy | object] = queue_mod.SimpleQueue()
+        self._flush = flush
         self.last: _Copy | None = None
         self.error: BaseException | None = None  # the first failed copy, raised by quiet
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object], kind: str | None = None) -> _Copy:
-        job = self.last = _Copy(fn, kind)
+    def submit(self, fn: Callable[[], object], kind: str | None = None,
+               nbytes: int = _UNKNOWN) -> _Copy:
+        job = self.last = _Copy(fn, kind, nbytes)
         self._jobs.put(job)
         return job
 
@@ -112,32 +152,76 @@ class _CopyQueue:
 
     def _run(self) -> None:
         in_flight: collections.deque[tuple[_Copy, Callable[[], None]]] = collections.deque()
+        flight = [0]  # bytes in flight
 
         def complete_oldest() -> None:
             job, finish = in_flight.popleft()
+            flight[0] -= job.nbytes
             self._attempt(job, finish)
             self._done(job)
 
+        def may_start(job: _Copy | object) -> bool:
+            """``job`` may go beside the requests in flight (``_STOP`` only once none is)."""
+            return not in_flight or (job is not _STOP and job.kind == in_flight[0][0].kind and (
+                len(in_flight) < _IN_FLIGHT or flight[0] + job.nbytes <= _WINDOW_BYTES))
+
+        held: _Copy | object | None = None  # taken from the queue, waits for requests in flight
         while True:
-            if in_flight and (len(in_flight) == _IN_FLIGHT or self._jobs.empty()):
+            if held is None:
+                if in_flight and self._jobs.empty():
+                    complete_oldest()
+                    continue
+                held = self._jobs.get()
+            if not may_start(held):
                 complete_oldest()
                 continue
-            job = self._jobs.get()
-            while in_flight and (job is None or job.kind != in_flight[0][0].kind):
-                complete_oldest()
-            if job is None:
+            job, held = held, None
+            if job is _STOP:
                 return
-            ok, finish = self._attempt(job, job.fn)
-            if ok and job.kind is not None:
-                in_flight.append((job, finish))
+            if job.kind is None:  # a local copy (nothing in flight)
+                self._attempt(job, job.fn)
+                self._done(job)
                 continue
-            while in_flight:  # a failed request completes after the ones before it
-                complete_oldest()
-            self._done(job)
+            while True:  # start it and every queued request that may go beside it
+                ok, finish = self._attempt(job, job.fn)
+                if not ok:  # a failed request completes after the ones before it
+                    if self._flush is not None:
+                        self._flush()
+                    while in_flight:
+                        complete_oldest()
+                    self._done(job)
+                    break
+                in_flight.append((job, finish))
+                flight[0] += job.nbytes
+                if self._jobs.empty():
+                    break
+                job = self._jobs.get()
+                if not may_start(job):
+                    held = job
+                    break
+            if self._flush is not None:
+                self._flush()
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        """Complete every queued copy, then end the thread (waits at most 5 s)."""
+        self._jobs.put(_STOP)
         self._thread.join(timeout=5.0)
+
+
+def _record_arrival(inboxes: list[np.ndarray | None], me: int, slot: int, sender: int, rank: int,
+                    count: int) -> None:
+    """Proxy handler of rank ``me`` (column ``slot``): ``sender`` entered ``count`` barriers
+    including ``rank`` (a rank of my machine)."""
+    inbox = inboxes[rank]
+    if inbox is None:
+        raise ValueError(f"rank {sender} sent rank {me} the arrival of rank {rank}, which is on "
+                         "another machine")
+    inbox[sender, slot] = count
+
+
+def _record_bye(inbox: np.ndarray, sender: int) -> None:
+    """Proxy handler: ``sender`` closed (every arrival it sent me before is written)."""
+    inbox[sender, -1] = 1
 
 
 def _shutdown(queues: dict[str, _CopyQueue], control: np.ndarray, proxy: Proxy | None) -> None:
@@ -210,7 +294,8 @@ class ShmCommunicator(OneSided):
         self._control[self.rank][0] = os.getpid()
         self._proxy = self._start_proxy(hosts)
         dist.barrier()  # every pid is written before anyone can wait on a peer
-        self._queues = {q: _CopyQueue(f"sf-shm-r{self.rank}-{q}") for q in QUEUES}
+        self._queues = {q: _CopyQueue(f"sf-shm-r{self.rank}-{q}", None if self._proxy is None
+                                      else functools.partial(self._proxy.flush, q)) for q in QUEUES}
         self._finalizer = weakref.finalize(self, _shutdown, self._queues, self._control[self.rank],
                                            self._proxy)
         log.debug("rank %d: shm communicator %s ready", self.rank, self.prefix)
@@ -220,14 +305,24 @@ class ShmCommunicator(OneSided):
         remote = [r for r in range(self.world_size) if r not in self._mapped]
         if not remote:  # the same on every rank: one machine, or cross_node="shm"
             return None
+        machines = collections.Counter(self.node_of)
+        local = sorted(self._mapped)
+        self._slot = local.index(self.rank)  # my column in the inboxes of my machine
+        # [sender, receiving rank's local index]: barriers including me the sender entered;
+        # [sender, -1]: 1 once my proxy got the sender's BYE (after all it relayed from it)
+        self._inbox = [c.numpy() if c is not None else None
+                       for c in self._map_all((self.world_size, max(machines.values()) + 1),
+                                              torch.int64)]
         addr = os.environ.get(PROXY_ADDR_ENV)
         if not addr:
             if len({h for h, _ in hosts}) != 1:
                 raise RuntimeError(f"ranks run on several hosts: set {PROXY_ADDR_ENV} to an "
                                    "address of this host that the other machines reach")
             addr = "127.0.0.1"
-        proxy = Proxy(self.rank, self.world_size, remote, addr, self._storages.__getitem__,
-                      self.timeout_s)
+        # the proxy's callbacks hold the inboxes, not me (I stay collectable)
+        proxy = Proxy(self.rank, list(self.node_of), addr, self._storages.__getitem__,
+                      functools.partial(_record_arrival, self._inbox, self.rank, self._slot),
+                      functools.partial(_record_bye, self._inbox[self.rank]), self.timeout_s)
         addresses: list[tuple[str, int]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(addresses, proxy.address)
         proxy.connect(addresses)
@@ -296,13 +391,13 @@ class ShmCommunicator(OneSided):
         buffer_id, storages = self._buffers.lookup(sym)
         self.counter.count(peer, sym.numel() * sym.element_size())
         if storages[peer] is None:  # another machine: through the proxy, like NVSHMEM over EFA
-            fn = functools.partial(self._proxy.start, op, queue, peer, view_meta(buffer_id, sym), local)
-            kind = op
+            mem = self._proxy.local_bytes(self._buffers.lookup(local)[0], local)
+            fn = functools.partial(self._proxy.start, op, queue, peer, view_key(buffer_id, sym), mem)
+            job = self._queues[queue].submit(fn, op, len(mem))
         else:
             remote = self._peer_view(sym, peer)
             fn = functools.partial(remote.copy_, src) if op == "put" else functools.partial(dst.copy_, remote)
-            kind = None
-        job = self._queues[queue].submit(fn, kind)
+            job = self._queues[queue].submit(fn)
         return _CopyHandle(self, job, peer, f"{op} with peer {peer} on queue {queue!r}", what)
 
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
@@ -356,13 +451,16 @@ class ShmCommunicator(OneSided):
             mine[1 + p] += 1
         need = {p: int(mine[1 + p]) for p in peers}
         doing = f"in barrier over ranks {tuple(ranks)}"
-        for p in peers:
-            if self._control[p] is None:
-                try:
-                    self._proxy.arrive(p, need[p])
-                except PeerFailure as exc:
+        remote = {p: need[p] for p in peers if self._control[p] is None}
+        relay = self.rank  # receives the remote ranks' arrivals for my machine
+        if remote:
+            relay = min(r for r in ranks if self._control[r] is not None)
+            try:
+                self._proxy.arrive(remote)
+            except PeerFailure as exc:
+                for p in remote:
                     self._check_alive(p, what, doing)
-                    raise PeerFailure(f"rank {self.rank}: {what!r}: {exc} {doing}") from exc
+                raise PeerFailure(f"rank {self.rank}: {what!r}: {exc} {doing}") from exc
         start = time.monotonic()
         next_check, missing = 0.0, peers
         while True:
@@ -372,6 +470,15 @@ class ShmCommunicator(OneSided):
             now = time.monotonic()
             if now >= next_check:
                 for p in missing:
+                    if p in remote:  # its arrival comes through the relay of my machine
+                        try:
+                            self._check_alive(relay, what, f"{doing} (relaying rank {p}'s arrival)")
+                        except PeerFailure:  # the relay writes before it closes or dies
+                            if self._arrived(p) < need[p]:
+                                raise
+                        if (relay != self.rank and self._proxy.peer_state(p)[0] == "closed"
+                                and (not self._inbox[relay][p, -1] or self._arrived(p) >= need[p])):
+                            continue  # its last arrivals may still be on their way through the relay
                     self._check_alive(p, what, doing)
                 next_check = now + _LIVENESS_PERIOD_S
             if now > start + self.timeout_s:
@@ -385,7 +492,7 @@ class ShmCommunicator(OneSided):
     def _arrived(self, peer: int) -> int:
         """How many barriers including me ``peer`` has entered."""
         if self._control[peer] is None:
-            return self._proxy.arrived(peer)
+            return int(self._inbox[self.rank][peer, :-1].max())
         return int(self._control[peer][1 + self.rank])
 
     def barrier_all(self, *, what: str) -> None:
