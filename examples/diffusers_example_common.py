@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -107,6 +108,10 @@ def _sync(dev: torch.device) -> None:
 
 def launch(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
     """``run(args)`` on every torchrun rank, or on ``--emulate NxM`` forked CPU ranks."""
+    # diffusers 0.42's sharding hooks call a collective torch 2.13 deprecates: once per rank
+    # and call, not something a user of this script can act on
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated",
+                            category=FutureWarning)
     if "RANK" in os.environ and not args.emulate:
         from xfuser_swiftfusion.distributed import init_distributed_from_env
         init_distributed_from_env()
