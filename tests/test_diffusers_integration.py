@@ -8,6 +8,8 @@ machine). fp32 whole-transformer outputs must match within ``TOL``.
 """
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -390,3 +392,22 @@ def test_importing_the_integration_imports_no_diffusers():
             "print([m for m in ('diffusers', 'xfuser') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("example,strategy", [("diffusers_flux_example.py", "swiftfusion"),
+                                              ("diffusers_wan_example.py", "torus")])
+def test_diffusers_example_runs_as_the_readme_says(example, strategy):
+    """The README's CPU commands for the diffusers examples (own process, --emulate 2x2): the
+    strategy runs every attention call without a fallback and the latents equal the
+    single-device run; no per-rank warnings in the output."""
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    res = subprocess.run([sys.executable, str(script), "--emulate", "2x2", "--strategy", strategy,
+                          "--steps", "2"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert f"strategy {strategy}" in out and "fallbacks [{}]" in out, out[-3000:]
+    err = float(re.search(r"max \|latents - single device\|: ([0-9.e+-]+)", out).group(1))
+    assert err < 1e-4, out[-3000:]
+    assert "FutureWarning" not in out, out[-3000:]
