@@ -235,3 +235,35 @@ def test_a_peer_dying_under_a_batch_of_gets_is_named_with_rank_peer_and_stage():
         for i in (1, 3):
             assert f"rank {r}: 'Pull-Q stage {i}'" in parts[i] and "peer rank 2" in parts[i], parts
             assert float(re.search(r"failed after ([\d.]+) s", parts[i]).group(1)) < 5.0
+
+
+def _arrives_and_closes_while_i_look() -> str:
+    """Rank 1 enters the last barrier and closes at once; rank 0's first look at its arrival
+    is stale (taken before rank 1 arrived, returned after it closed)."""
+    me = dist.get_rank()
+    comm = _one_sided(timeout_s=10.0)
+    comm.barrier_all(what="ready")
+    if me == 0:
+        real, calls = comm._arrived, []
+
+        def stale_first(peer: int) -> int:
+            calls.append(peer)
+            if len(calls) == 1:
+                seen = real(peer)
+                time.sleep(0.5)  # rank 1 arrives and closes meanwhile
+                return seen
+            return real(peer)
+        comm._arrived = stale_first
+    else:
+        time.sleep(0.2)  # arrive after rank 0's first look
+    comm.barrier_all(what="last")
+    comm.close()
+    return "passed"
+
+
+@pytest.mark.parametrize("topology", ["1x2", "2x1"])
+def test_a_peer_that_arrives_and_closes_while_i_look_is_no_failure(topology):
+    """A barrier that finds a peer closed looks at its arrival once more: the peer may have
+    arrived and closed between the two looks (on one machine through shared memory, across
+    machines through my own proxy, which records an arrival before the BYE behind it)."""
+    assert run_emulated(_arrives_and_closes_while_i_look, topology, timeout_s=60) == ["passed"] * 2

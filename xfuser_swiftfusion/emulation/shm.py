@@ -479,7 +479,11 @@ class ShmCommunicator(OneSided):
                         if (relay != self.rank and self._proxy.peer_state(p)[0] == "closed"
                                 and (not self._inbox[relay][p, -1] or self._arrived(p) >= need[p])):
                             continue  # its last arrivals may still be on their way through the relay
-                    self._check_alive(p, what, doing)
+                    try:
+                        self._check_alive(p, what, doing)
+                    except PeerFailure:  # it may have arrived, then closed, since `missing`
+                        if self._arrived(p) < need[p]:
+                            raise
                 next_check = now + _LIVENESS_PERIOD_S
             if now > start + self.timeout_s:
                 raise CommTimeout(f"rank {self.rank}: {what!r}: barrier over ranks {tuple(ranks)} "
