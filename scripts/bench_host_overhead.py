@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import xfuser_swiftfusion as sf
+from xfuser_swiftfusion.cost_model import host_cpu
 
 try:
     from xfuser_swiftfusion.emulation.launcher import run_emulated
@@ -35,16 +35,6 @@ except ImportError:  # checkouts before the emulation moved into its own package
 
 OPS = ("transfers", "grouped_exchanges", "barriers", "attend_calls")
 CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
-        return (f"{info['model name'].strip()} (family {info['cpu family'].strip()} model "
-                f"{info['model'].strip()}), {os.cpu_count()} cores")
-    except (OSError, KeyError, ValueError):
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup: int,
@@ -106,9 +96,10 @@ def main() -> None:
     rows = run_emulated(_rank, args.topology, args.strategies.split(","), args.heads, args.tokens,
                         args.head_dim, args.warmup, args.calls, args.rounds, timeout_s=1200)[0]
     load.append(os.getloadavg()[0])
+    cpu = f"{host_cpu()}, {os.cpu_count()} cores"
     print(f"host overhead per call, {label}, emulated {args.topology} ({cross_node} across "
           f"machines), B1 H{args.heads} S_local {args.tokens} D{args.head_dim} fp32, {args.calls} "
-          f"calls; {_cpu_model()}, load {load[0]:.1f} -> {load[1]:.1f}")
+          f"calls; {cpu}, load {load[0]:.1f} -> {load[1]:.1f}")
     print(f"{'strategy':<12} {'ran':<12} {'median ms':>9} {'mean ms':>8} {'CPU ms':>7} "
           + " ".join(f"{k:>17}" for k in OPS))
     for s, r in rows.items():
@@ -118,7 +109,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"label": label, "topology": args.topology, "cross_node": cross_node,
-                       "cpu": _cpu_model(), "load_1min": load, "rows": rows,
+                       "cpu": cpu, "load_1min": load, "rows": rows,
                        "command": " ".join([f"{CROSS_NODE_ENV}={cross_node}" if cross_node != "proxy" else "",
                                             "scripts/bench_host_overhead.py", f"--topology {args.topology}",
                                             f"--strategies {args.strategies}",

@@ -22,13 +22,15 @@ import torch
 import torch.distributed as dist
 
 from xfuser_swiftfusion.comm import make_one_sided
+from xfuser_swiftfusion.cost_model import host_cpu
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from xfuser_swiftfusion.topology import TOPOLOGY_ENV, Topology
 
 SHAPES = ((4 << 20, 8), (16 << 10, 64))  # (bytes per transfer, transfers per rep)
 
 
-def _rank(nbytes: int, n: int, reps: int, op: str) -> tuple[float, float]:
+def _rank(nbytes: int, n: int, reps: int, op: str) -> tuple[float, float, bool]:
+    """(median wall s per rep, CPU s per rep, the got bytes are the peer's)."""
     topo = Topology.parse(os.environ[TOPOLOGY_ENV])
     me, world = dist.get_rank(), dist.get_world_size()
     comm = make_one_sided("shm", rank=me, world_size=world,
@@ -38,10 +40,10 @@ def _rank(nbytes: int, n: int, reps: int, op: str) -> tuple[float, float]:
     src.fill_(me)
     peer = (me + world // 2) % world  # the rank on the other machine
     comm.barrier_all(what="ready")
+    move = comm.get if op == "get" else comm.put
     times, cpu0 = [], time.process_time()
     for _ in range(reps):
         t0 = time.perf_counter()
-        move = comm.get if op == "get" else comm.put
         for h in [move(dst[i], src[i], peer, queue="other", what=op) for i in range(n)]:
             h.wait()
         comm.barrier_all(what="rep")
@@ -72,7 +74,7 @@ def main() -> None:
                   f"CPU per rank {rows[-1]['cpu_s_per_rank'] * 1e3:.1f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": label, "reps": args.reps, "rows": rows,
+            json.dump({"label": label, "cpu": host_cpu(), "reps": args.reps, "rows": rows,
                        "command": f"scripts/bench_proxy.py --reps {args.reps}"}, f, indent=2)
 
 

@@ -470,19 +470,15 @@ class ShmCommunicator(OneSided):
             now = time.monotonic()
             if now >= next_check:
                 for p in missing:
-                    if p in remote:  # its arrival comes through the relay of my machine
-                        try:
-                            self._check_alive(relay, what, f"{doing} (relaying rank {p}'s arrival)")
-                        except PeerFailure:  # the relay writes before it closes or dies
-                            if self._arrived(p) < need[p]:
-                                raise
-                        if (relay != self.rank and self._proxy.peer_state(p)[0] == "closed"
-                                and (not self._inbox[relay][p, -1] or self._arrived(p) >= need[p])):
-                            continue  # its last arrivals may still be on their way through the relay
                     try:
+                        if p in remote:  # its arrival comes through the relay of my machine
+                            self._check_alive(relay, what, f"{doing} (relaying rank {p}'s arrival)")
+                            if (relay != self.rank and self._proxy.peer_state(p)[0] == "closed"
+                                    and not self._inbox[relay][p, -1]):
+                                continue  # its last arrivals may still be on their way through the relay
                         self._check_alive(p, what, doing)
-                    except PeerFailure:  # it may have arrived, then closed, since `missing`
-                        if self._arrived(p) < need[p]:
+                    except PeerFailure:  # p (or its relay, which writes first) may have closed
+                        if self._arrived(p) < need[p]:  # after p arrived, since `missing`
                             raise
                 next_check = now + _LIVENESS_PERIOD_S
             if now > start + self.timeout_s:
