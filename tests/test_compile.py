@@ -214,88 +214,15 @@ def test_excluded_functions_keep_their_signature():
 # ---------------------------------------------------------------------------------------------
 
 RUNNER_TOPOLOGY = "1x2"       # 2 ranks: inductor compiles every graph once per rank
-RUNNER_ARGS = dict(height=64, width=64, prompt="a cat", num_inference_steps=2,
-                   guidance_scale=3.5, seed=0)     # 16 image tokens
 FLUX_ATTENTION_LAYERS = 4     # tiny Flux: 2 double + 2 single blocks
 
 
-def _runner_latents(model, text: int) -> torch.Tensor:
-    """``xFuserFluxModel._run_pipe`` (runtime-state input parameters, the pipeline call with
-    the runner's arguments) with ``max_sequence_length=text``, returning the final latents
-    ``[B, S, C]`` instead of images."""
-    from xfuser.core.distributed import get_pipeline_parallel_world_size, get_runtime_state
-    a = RUNNER_ARGS
-    get_runtime_state().set_input_parameters(
-        batch_size=1, num_inference_steps=a["num_inference_steps"],
-        max_condition_sequence_length=text,
-        split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1)
-    return model.pipe(height=a["height"], width=a["width"], prompt=a["prompt"],
-                      num_inference_steps=a["num_inference_steps"],
-                      guidance_scale=a["guidance_scale"], max_sequence_length=text,
-                      generator=model._make_generator(a["seed"]), output_type="latent").images
-
-
-@torch.no_grad()
 def _rank_runner_compile(strategy: str, text: int, checkpoint: str) -> dict:
-    """xFuser's runner path for ``--use_torch_compile --sp-strategy <strategy>``: the runner's
-    ``xFuserFluxModel`` with its config (``create_config`` routes the strategy), the pipeline
-    in fp32 (the runner loads bf16; fp32 makes compiled vs eager comparable at 1e-5), xFuser's
-    runtime state, then xFuser's own ``_compile_model`` (inductor comm-overlap settings,
-    ``torch.compile(transformer, mode="reduce-overhead")``, warm-up through ``_run_pipe``)."""
-    from diffusers import FluxPipeline
-    from xfuser.config import xFuserArgs
-    from xfuser.core.distributed import initialize_runtime_state
-    from xfuser.model_executor.models.runner_models.flux import xFuserFluxModel
-    from xfuser.model_executor.models.transformers.transformer_flux import (
-        xFuserFlux1Transformer2DWrapper)
-    from xfuser_swiftfusion.integrations.xfuser import routing
-
-    config = xFuserArgs(model=checkpoint, use_torch_compile=True, sp_strategy=strategy,
-                        topology=RUNNER_TOPOLOGY)
-    model = xFuserFluxModel(config)
-    model.engine_config, _ = config.create_config()          # routes USP to the strategy
-    ctx = routing.routed_context()
-    try:
-        transformer = xFuserFlux1Transformer2DWrapper.from_pretrained(
-            checkpoint, subfolder="transformer", torch_dtype=torch.float32)
-        model.pipe = FluxPipeline.from_pretrained(checkpoint, transformer=transformer,
-                                                  torch_dtype=torch.float32)
-        initialize_runtime_state(model._get_runtime_state_pipeline(), model.engine_config)
-        model.pipe.set_progress_bar_config(disable=True)
-        inputs = {}
-
-        def keep_inputs(module, args, kwargs):
-            inputs.setdefault("call", (args, kwargs))
-
-        hook = transformer.register_forward_pre_hook(keep_inputs, with_kwargs=True)
-        eager = _runner_latents(model, text)
-        hook.remove()
-        eager_calls = ctx.stats()["calls"]
-
-        torch._dynamo.reset()
-        model._compile_model(dict(RUNNER_ARGS, max_sequence_length=text))  # compile, warm up
-        compiled_transformer = model.pipe.transformer
-        ctx.reset_stats()
-        with torch.compiler.set_stance("fail_on_recompile"):  # warm-up compiled every graph
-            compiled = _runner_latents(model, text)
-        compiled_stats = ctx.stats()
-        args, kwargs = inputs["call"]
-        explained = torch._dynamo.explain(transformer)(*args, **kwargs)
-        return {"err": max_abs_err(compiled, eager.double()),
-                "scale": eager.abs().max().item(),
-                "text_tokens": kwargs["encoder_hidden_states"].shape[1],
-                "compiled": isinstance(compiled_transformer,
-                                       torch._dynamo.eval_frame.OptimizedModule),
-                "mode": model._get_compile_mode(),
-                "eager_calls": eager_calls, "calls": compiled_stats["calls"],
-                "fallbacks": compiled_stats["fallbacks"],
-                "graphs": explained.graph_count, "breaks": explained.graph_break_count,
-                "reasons": {str(r.reason).splitlines()[0] for r in explained.break_reasons},
-                "break_sites": {f"{r.user_stack[-1].filename}:{r.user_stack[-1].line}"
-                                for r in explained.break_reasons},
-                "mesh": ctx.mesh.describe()}
-    finally:
-        routing.restore_usp()
+    """xFuser's runner path for ``--use_torch_compile --sp-strategy <strategy>`` in fp32, as
+    ``swiftfusion check --gpu-suite`` runs it on a GPU (``gpu_suite.paths.runner_compile``:
+    xFuser's ``xFuserFluxModel``, its config and its own ``_compile_model``)."""
+    from xfuser_swiftfusion.tools.gpu_suite.paths import runner_compile
+    return runner_compile(strategy, text, checkpoint, RUNNER_TOPOLOGY)
 
 
 @pytest.mark.parametrize("strategy, text", [("swiftfusion", 29), ("tas", 30)],
@@ -312,6 +239,7 @@ def test_xfuser_runner_use_torch_compile(strategy, text, tiny_checkpoint_cache):
     sfx.install()
     results = run_emulated(_rank_runner_compile, RUNNER_TOPOLOGY, strategy, text, checkpoint,
                            timeout_s=500)
+    from xfuser_swiftfusion.tools.gpu_suite.paths import RUNNER_ARGS
     steps = RUNNER_ARGS["num_inference_steps"]
     for rank, res in enumerate(results):
         assert res["compiled"] and res["mode"] == "reduce-overhead", res

@@ -99,6 +99,10 @@ def _check_main(strategies, case, topology, timeout_s):
 
 def _cmd_check(args) -> int:
     from .check import CheckCase, CheckRow, format_table
+    if args.gpu_suite:
+        from .gpu_suite import STAGES, run_suite
+        stages = tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else STAGES
+        return run_suite(args.out, stages, args.quick, args.budget, args.allow_cpu)
     strategies = [s.strip() for s in (args.strategies or ",".join(names())).split(",") if s.strip()]
     bad = [s for s in strategies if s not in names()]
     if bad:
@@ -187,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--kernel", choices=("auto", *BACKENDS),
                     help="local attention kernel (default: per call, triton where it supports "
                          "the head dim and dtype, else flash-attn, else torch; cpu on CPU)")
+    gs = ck.add_argument_group("GPU suite (one CUDA machine; see docs/gpu-suite.md)")
+    gs.add_argument("--gpu-suite", action="store_true",
+                    help="kernel numerics and speed, compute-sanitizer, Nsight Compute, NVSHMEM, "
+                         "every strategy and xFuser's runner under torch.compile on this machine's "
+                         "GPUs: a pass/fail table with the figures")
+    gs.add_argument("--out", default="gpu-suite", help="folder for the table, rows and log")
+    gs.add_argument("--quick", action="store_true", help="fewer random cases and strategies")
+    gs.add_argument("--stages", help="comma-separated subset of the stages (default: all)")
+    gs.add_argument("--budget", type=float, default=540.0,
+                    help="seconds for the whole suite; stages that no longer fit are skipped")
+    gs.add_argument("--allow-cpu", action="store_true",
+                    help="run what can run without a GPU (the triton interpreter), to try the suite")
 
     from .compare import add_arguments as add_compare_arguments
     add_compare_arguments(sub.add_parser(
