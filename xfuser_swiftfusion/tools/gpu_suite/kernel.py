@@ -88,7 +88,7 @@ def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bo
     num = sum(((o.double() - r) ** 2).sum().item() for o, r in zip(outs, ref_out))
     den = sum((r ** 2).sum().item() for r in ref_out)
     return {"err": err, "lse_err": lse_err, "rel": math.sqrt(num / den) if den else 0.0,
-            "finite": all(bool(torch.isfinite(o).all()) for o in outs),
+            "finite": all(bool(torch.isfinite(x).all()) for x in (*outs, *lses)),
             "q_lens": q_lens, "kv_lens": kv_lens, "split": split, "heads_kv": heads_kv,
             "backend": current_backend(device, D, dtype)}
 
