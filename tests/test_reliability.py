@@ -206,6 +206,28 @@ def test_cli_refuses_bad_input_before_launching(capsys, monkeypatch):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_check_on_one_torchrun_rank_prints_the_table_without_debug_lines():
+    """``swiftfusion check`` under torchrun (here: its variables for a world of 1) prints the
+    table, not xFuser's DEBUG/INFO setup lines (xFuser logs at DEBUG unless LOG_LEVEL says)."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-m", "xfuser_swiftfusion", "check", "--strategies",
+                          "usp,swiftfusion", "--heads", "4", "--seq-len", "96", "--head-dim", "16"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "swiftfusion  swiftfusion" in out.stdout and "PASS" in out.stdout
+    chatty = [line for line in text.splitlines() if line.startswith(("DEBUG", "INFO"))]
+    assert chatty == [], chatty
+
+
 # -- 2. killed, hung and interrupted ranks --------------------------------------------------
 
 STAGES = {  # stage names as the strategies pass them to every wait (what=)

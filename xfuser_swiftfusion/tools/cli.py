@@ -218,8 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """The table is the output: xFuser logs at DEBUG by default (``LOG_LEVEL``, read when
+    xFuser is first imported, on every rank), transformers prints notices. An explicit
+    ``LOG_LEVEL`` / ``TRANSFORMERS_VERBOSITY`` wins."""
+    os.environ.setdefault("LOG_LEVEL", "warning")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd != "plan":
+        _quiet_libraries()
     try:
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,

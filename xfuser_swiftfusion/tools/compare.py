@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import statistics
 import sys
 import time
@@ -436,10 +435,6 @@ def run_on_ranks(args, make_config: Callable, rank_fn: Callable, preload: tuple[
 def cmd_compare(args) -> int:
     """``swiftfusion compare``: returns the exit code (0: every strategy passed)."""
     import json
-    # xFuser logs at DEBUG by default (LOG_LEVEL, read when xFuser is first imported); the
-    # table is the output here. An explicit LOG_LEVEL wins.
-    os.environ.setdefault("LOG_LEVEL", "warning")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its torchvision notices
     rows, cfg, where = run_on_ranks(args, lambda topo: config_from_args(args, topo.world_size),
                                     _compare_rank, preload=("xfuser.model_executor.layers.usp",))
     if where is None:  # not the reporting rank

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 import warnings
 from dataclasses import asdict
@@ -287,8 +286,6 @@ def argparse_copy(args, **changes):
 def cmd_compare_diffusers(args) -> int:
     """``swiftfusion compare-diffusers``: returns the exit code (0: every row passed)."""
     import json
-    os.environ.setdefault("LOG_LEVEL", "warning")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     skipped: list[str] = []
 
     def make_config(topo):
