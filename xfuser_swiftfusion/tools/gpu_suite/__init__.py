@@ -10,18 +10,18 @@ numerics              triton kernel vs fp64 over random chunkings (empty chunks,
                       lengths, state carried across two launches, grouped K/V, NaN-poisoned
                       outputs), D 32/64/128, bf16/fp16, finalize on/off; auto's kernel for
                       other head dims and fp32
-strategies            ``swiftfusion check`` on every visible GPU (torchrun): every strategy vs
-                      single-device attention, bf16/fp32, with and without text tokens
-nvshmem               the nvshmem communicator: init from the process group, put/get of
-                      slices, barriers, team calls, close, init again, a timeout that returns
-pe-probe              several NVSHMEM PEs on one GPU (raw nvshmem4py), plain and under MPS
-compile               torch.compile around ``ctx.attention``; xFuser's runner with
-                      ``--use_torch_compile`` (reduce-overhead: CUDA graphs) on tiny FLUX.1
 speed                 TFLOP/s of the Torus launches (Flux 3072/4096 px, CogVideoX 5B on 4x8)
                       next to torch's flash attention (and flash-attn where installed)
+nvshmem               the nvshmem communicator: init from the process group, put/get of
+                      slices, barriers, team calls, close, init again, a timeout that returns
+strategies            ``swiftfusion check`` on every visible GPU (torchrun): every strategy vs
+                      single-device attention, bf16/fp32, with and without text tokens
+ncu                   Nsight Compute on the slowest launch of ``speed``
 sanitizer             compute-sanitizer memcheck and racecheck on one launch of each kernel
                       configuration
-ncu                   Nsight Compute on the slowest launch of ``speed``
+compile               torch.compile around ``ctx.attention``; xFuser's runner with
+                      ``--use_torch_compile`` (reduce-overhead: CUDA graphs) on tiny FLUX.1
+pe-probe              several NVSHMEM PEs on one GPU (raw nvshmem4py), plain and under MPS
 ====================  =================================================================
 
 Output: the table on stdout, and under ``--out`` five files: ``gpu-suite.md`` (table),
@@ -44,8 +44,9 @@ from dataclasses import asdict
 
 from .report import Row, format_table, read_rows, summary
 
-STAGES = ("env", "numerics", "strategies", "nvshmem", "pe-probe", "compile", "speed",
-          "sanitizer", "ncu")
+# most telling per second first: under a tight --budget the probe and the slow compiles go
+STAGES = ("env", "numerics", "speed", "nvshmem", "strategies", "ncu", "sanitizer", "compile",
+          "pe-probe")
 TIMEOUT_S = {"env": 60, "numerics": 180, "strategies": 240, "nvshmem": 90, "pe-probe": 150,
              "compile": 300, "speed": 180, "sanitizer": 300, "ncu": 150}
 MIN_STAGE_S = 20  # a stage with less budget left than this is skipped
