@@ -209,12 +209,11 @@ def test_cli_refuses_bad_input_before_launching(capsys, monkeypatch):
 def test_check_on_one_torchrun_rank_prints_the_table_without_debug_lines():
     """``swiftfusion check`` under torchrun (here: its variables for a world of 1) prints the
     table, not xFuser's DEBUG/INFO setup lines (xFuser logs at DEBUG unless LOG_LEVEL says)."""
-    import socket
     import subprocess
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from xfuser_swiftfusion.emulation.launcher import free_port
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

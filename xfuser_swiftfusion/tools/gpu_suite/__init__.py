@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from .report import Row, format_table, read_rows, summary
+from .report import RowWriter, format_table, read_rows, summary
 
 # most telling per second first: under a tight --budget the probe and the slow compiles go
 STAGES = ("env", "numerics", "speed", "nvshmem", "strategies", "ncu", "sanitizer", "compile",
@@ -79,8 +79,7 @@ class Suite:
         return self.deadline - time.monotonic()
 
     def add(self, stage: str, case: str, result: str, figure: str, **data) -> None:
-        with open(self.rows_path, "a") as f:
-            f.write(json.dumps(asdict(Row(stage, case, result, figure, data)), default=str) + "\n")
+        RowWriter(self.rows_path, stage).add(case, result, figure, **data)
 
     def run(self, stage: str, cmd: list[str], timeout_s: float, env: dict | None = None,
             case: str = "(stage)", ok: tuple[int, ...] = (0,)) -> tuple[int | None, str]:
@@ -115,10 +114,9 @@ class Suite:
             self.add(name, "(stage)", "SKIP", "needs a CUDA device")
             return
         if name == "strategies" and self.gpus > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={self.gpus}", "-m", "xfuser_swiftfusion.tools.gpu_suite",
-                   "strategies", "--rows", self.rows_path, *(["--quick"] if self.quick else [])]
-            self.run(name, cmd, TIMEOUT_S[name])
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={self.gpus}"]
+            self.run(name, torchrun + _module(name, self.rows_path, self.quick)[1:], TIMEOUT_S[name])
         elif name == "pe-probe":
             self.pe_probe()
         elif name == "sanitizer":
@@ -150,10 +148,8 @@ class Suite:
             subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
 
     def _probe(self, label: str, world: int, env: dict) -> None:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from ...emulation.launcher import free_port
+        port = free_port()
         timeout_s = min(60.0, self.left())
         with open(self.log_path, "a") as log:
             log.write(f"\n===== pe-probe {label}\n")

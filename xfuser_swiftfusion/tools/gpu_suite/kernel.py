@@ -7,8 +7,10 @@ poisoned with NaN before a finalizing launch, so an element the kernel does not 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -93,12 +95,41 @@ def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bo
             "backend": current_backend(device, D, dtype)}
 
 
+@contextlib.contextmanager
+def _triton() -> Iterator[None]:
+    """Every ``attend`` call inside runs the triton kernel (automatic choice again after)."""
+    set_backend("triton")
+    try:
+        yield
+    finally:
+        set_backend(None)
+
+
+def _triton_configs(device: torch.device) -> Iterator[tuple[int, torch.dtype, bool]]:
+    """(head dim, dtype, finalize) of every triton configuration; on CPU (the interpreter) a
+    small subset, to exercise the suite itself."""
+    cpu = device.type != "cuda"
+    for D in (32, 64) if cpu else TRITON_DIMS:
+        for dtype in (torch.bfloat16,) if cpu else (torch.bfloat16, torch.float16):
+            for finalize in (True, False):
+                yield D, dtype, finalize
+
+
+def _case_name(D: int, dtype: torch.dtype, finalize: bool) -> str:
+    return f"D{D} {DTYPE_NAMES[dtype]} finalize {'on' if finalize else 'off'}"
+
+
+def _passes(result: dict, tol: float) -> bool:
+    """Output and LSE finite and within ``tol`` of fp64."""
+    return result["finite"] and result["err"] <= tol and result["lse_err"] <= tol
+
+
 def _numerics_row(w: RowWriter, case: str, device: torch.device, D: int, dtype: torch.dtype,
                   finalize: bool, seeds: range, longest: int) -> None:
     results = [numerics_case(device, D, dtype, finalize, s, longest) for s in seeds]
     worst = max(results, key=lambda r: max(r["err"], r["lse_err"]))
     tol = TOLERANCE[dtype]
-    ok = all(r["finite"] and r["err"] <= tol and r["lse_err"] <= tol for r in results)
+    ok = all(_passes(r, tol) for r in results)
     w.check(case, ok, f"{worst['backend']}: max err {worst['err']:.2e}, LSE {worst['lse_err']:.2e}, "
             f"rel {worst['rel']:.1e} (tol {tol:g}; {len(results)} chunkings)",
             worst=worst, cases=len(results), tolerance=tol)
@@ -111,17 +142,9 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
     cpu = device.type != "cuda"
     seeds = range(2 if cpu else (4 if quick else 8))
     longest = 40 if cpu else 300
-    dims = (32, 64) if cpu else TRITON_DIMS
-    dtypes = (torch.bfloat16,) if cpu else (torch.bfloat16, torch.float16)
-    set_backend("triton")
-    try:
-        for D in dims:
-            for dtype in dtypes:
-                for fin in (True, False):
-                    _numerics_row(w, f"triton D{D} {DTYPE_NAMES[dtype]} finalize {'on' if fin else 'off'}",
-                                  device, D, dtype, fin, seeds, longest)
-    finally:
-        set_backend(None)
+    with _triton():
+        for D, dtype, fin in _triton_configs(device):
+            _numerics_row(w, f"triton {_case_name(D, dtype, fin)}", device, D, dtype, fin, seeds, longest)
     if cpu:
         return
     for D, dtype in FALLBACK_SHAPES:  # auto's choice for shapes triton does not take
@@ -131,22 +154,13 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
 def launches(w: RowWriter, device: torch.device) -> None:
     """One small launch of every triton configuration (D, dtype, finalize, grouped K/V), each
     checked against fp64: the program compute-sanitizer runs."""
-    cpu = device.type != "cuda"
-    set_backend("triton")
-    try:
-        for D in ((32,) if cpu else TRITON_DIMS):
-            for dtype in ((torch.bfloat16,) if cpu else (torch.bfloat16, torch.float16)):
-                for fin in (True, False):
-                    for seed in (0, 1):  # seed 1: grouped K/V
-                        r = numerics_case(device, D, dtype, fin, seed, longest=24 if cpu else 160,
-                                          batch=1, heads=2)
-                        tol = TOLERANCE[dtype]
-                        w.check(f"launch D{D} {DTYPE_NAMES[dtype]} finalize {'on' if fin else 'off'}"
-                                f"{' gqa' if r['heads_kv'] == 1 else ''}",
-                                r["finite"] and r["err"] <= tol and r["lse_err"] <= tol,
-                                f"err {r['err']:.1e}", **r)
-    finally:
-        set_backend(None)
+    longest = 160 if device.type == "cuda" else 24
+    with _triton():
+        for D, dtype, fin in _triton_configs(device):
+            for seed in (0, 1):  # seed 1: grouped K/V
+                r = numerics_case(device, D, dtype, fin, seed, longest, batch=1, heads=2)
+                w.check(f"launch {_case_name(D, dtype, fin)}{' gqa' if r['heads_kv'] == 1 else ''}",
+                        _passes(r, TOLERANCE[dtype]), f"err {r['err']:.1e}", **r)
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -215,12 +229,9 @@ def run_launch(launch: Launch, dtype: torch.dtype, device: torch.device, repeat:
     """``repeat`` triton launches of ``launch`` (the program Nsight Compute profiles)."""
     qs, kvs = _inputs(launch, dtype, device)
     states = [new_state(q) for q in qs]
-    set_backend("triton")
-    try:
+    with _triton():
         for _ in range(repeat):
             attend(qs, kvs, states, scale=launch.head_dim ** -0.5)
-    finally:
-        set_backend(None)
     torch.cuda.synchronize()
 
 
@@ -252,11 +263,8 @@ def speed(w: RowWriter, device: torch.device, quick: bool = False) -> None:
             q_cat = torch.cat(qs, dim=2)                       # [1, h, sum Lq, D]
             k_cat = torch.cat([k for k, _ in kvs], dim=2)      # [1, h, sum Lk, D]
             v_cat = torch.cat([v for _, v in kvs], dim=2)
-            set_backend("triton")
-            try:
+            with _triton():
                 ms = {"triton": bench(lambda: attend(qs, kvs, states, scale=scale))}
-            finally:
-                set_backend(None)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 ms["torch-flash"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
                     q_cat, k_cat, v_cat, scale=scale))

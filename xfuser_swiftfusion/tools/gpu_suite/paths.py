@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import subprocess
 from dataclasses import asdict
 
 import torch
@@ -47,7 +48,6 @@ def env(w: RowWriter, device: torch.device) -> None:
 
 def _driver() -> str:
     try:
-        import subprocess
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
         return out.stdout.strip()
@@ -55,7 +55,7 @@ def _driver() -> str:
         return "-"
 
 
-def strategies(w: RowWriter | None, quick: bool = False) -> None:
+def strategies(w: RowWriter, quick: bool = False) -> None:
     """Collective (every torchrun rank; rank 0 writes): every strategy against single-device
     attention, bf16 and fp32, with and without replicated text tokens."""
     from ...distributed import init_distributed_from_env
@@ -65,10 +65,10 @@ def strategies(w: RowWriter | None, quick: bool = False) -> None:
     world = dist.get_world_size()
     for dtype in ("bf16", "fp32"):
         for joint in ((7,) if quick else (0, 7)):
-            case = CheckCase(heads=24, seq_len=1152 if world in (1, 2, 3, 4, 6, 8) else 96 * world,
+            case = CheckCase(heads=24, seq_len=1152 if 1152 % world == 0 else 96 * world,
                              head_dim=64, dtype=dtype, joint_tokens=joint)
             for row in run_checks(list(names()), case, timeout_s=60):
-                if w is not None and dist.get_rank() == 0:
+                if dist.get_rank() == 0:
                     w.check(f"{row.strategy} {dtype} text {joint} on {world} GPU"
                             + ("s" if world > 1 else ""), row.passed,
                             f"ran as {row.ran_as} {row.mesh.split(' ')[0]}: max err "
@@ -243,7 +243,5 @@ def single_process_env() -> None:
                  ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        from ...emulation.launcher import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
