@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "plan":  # the table is the output
         from .quiet import quiet_libraries
         quiet_libraries()
+    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
@@ -240,14 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        _leave_process_group()
+        if not had_group:
+            _leave_process_group()
 
 
 def _leave_process_group() -> None:
-    """Under torchrun: the process group destroyed before the rank exits (a gloo or NCCL group
-    left to interpreter teardown can abort a rank: "terminate called without an active
-    exception"); a barrier first when every rank got here, so none leaves while a peer still
-    talks to it."""
+    """Under torchrun: the process group the command created is destroyed before the rank
+    exits (a gloo or NCCL group left to interpreter teardown can abort a rank: "terminate
+    called without an active exception"); a barrier first when every rank got here, so none
+    leaves while a peer still talks to it."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         if sys.exc_info()[0] is None:
