@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from xfuser_swiftfusion.integrations import diffusers as sfd  # the diffusers integration
+from xfuser_swiftfusion.tools.quiet import quiet_libraries, quiet_rank
+
+quiet_libraries()  # before transformers loads: the result lines, not per-rank notices
 
 # (output or None, final latents) of one generation of ``steps`` steps
 Generate = Callable[[Any, argparse.Namespace, torch.device, int], tuple[Any, torch.Tensor]]
@@ -71,6 +73,7 @@ def timed_run(pipe, transformers: list, generate: Generate, args: argparse.Names
               dev: torch.device) -> dict:
     """Reference (``--check``), then the strategy on every transformer, warm-up, one timed
     generation; the strategy is disabled again. Returns what the report needs."""
+    quiet_rank(dist.get_rank())
     reference = generate(pipe, args, dev, args.steps)[1] if args.check else None
     ctxs = [sfd.enable_parallelism(t, strategy=args.strategy, topology=args.topology)
             for t in transformers]
@@ -108,10 +111,6 @@ def _sync(dev: torch.device) -> None:
 
 def launch(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
     """``run(args)`` on every torchrun rank, or on ``--emulate NxM`` forked CPU ranks."""
-    # diffusers 0.42's sharding hooks call a collective torch 2.13 deprecates: once per rank
-    # and call, not something a user of this script can act on
-    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated",
-                            category=FutureWarning)
     if "RANK" in os.environ and not args.emulate:
         from xfuser_swiftfusion.distributed import init_distributed_from_env
         init_distributed_from_env()

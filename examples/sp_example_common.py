@@ -13,18 +13,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
+from xfuser_swiftfusion.tools.quiet import quiet_libraries, quiet_rank
 
-from xfuser_swiftfusion.distributed import init_distributed_from_env
-from xfuser_swiftfusion.emulation.launcher import run_emulated
-from xfuser_swiftfusion.integrations import xfuser as swiftfusion_xfuser
-from xfuser_swiftfusion.tools.measure import PeakMemory
-from xfuser_swiftfusion.tools.models.parallel import (check_shapes, generate_latents,
-                                                      load_pipeline, resolve_model,
-                                                      strategy_session)
-from xfuser_swiftfusion.topology import Topology
+quiet_libraries()  # before xFuser and transformers load: the result lines, not setup notices
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from xfuser_swiftfusion.distributed import init_distributed_from_env  # noqa: E402
+from xfuser_swiftfusion.emulation.launcher import run_emulated  # noqa: E402
+from xfuser_swiftfusion.integrations import xfuser as swiftfusion_xfuser  # noqa: E402
+from xfuser_swiftfusion.tools.measure import PeakMemory  # noqa: E402
+from xfuser_swiftfusion.tools.models.parallel import (  # noqa: E402
+    check_shapes, generate_latents, load_pipeline, resolve_model, strategy_session)
+from xfuser_swiftfusion.topology import Topology  # noqa: E402
 
 # Before xFuser loads: adds --sp-strategy/--topology to xFuserArgs and lets xFuser run on CPU.
 swiftfusion_xfuser.install()
@@ -55,6 +58,7 @@ def run(kind: str, parallelize: Callable, save: Callable[[Any, str], str], num_f
     on this rank; rank 0 saves a non-latent output with ``save(output, stem)``, the last rank
     reports."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_rank(rank)
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
     _, path = resolve_model(args.model, kind)

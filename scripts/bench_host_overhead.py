@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import xfuser_swiftfusion as sf
 from xfuser_swiftfusion.cost_model import host_cpu
+from xfuser_swiftfusion.tools.quiet import quiet_libraries, quiet_rank
 
 try:
     from xfuser_swiftfusion.emulation.launcher import run_emulated
@@ -40,6 +41,7 @@ CROSS_NODE_ENV = "SWIFTFUSION_SHM_CROSS_NODE"
 def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup: int,
           calls: int, rounds: int) -> dict:
     torch.set_num_threads(1)
+    quiet_rank(dist.get_rank())
     g = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(1, heads, tokens, head_dim, generator=g) for _ in range(3))
     with contextlib.ExitStack() as stack:  # every strategy open at once: calls interleave
@@ -76,6 +78,7 @@ def _rank(strategies: list[str], heads: int, tokens: int, head_dim: int, warmup:
 
 
 def main() -> None:
+    quiet_libraries()  # before the ranks load xFuser: the table, not setup notices
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topology", default="4x2")
     p.add_argument("--strategies", default="usp,tas,torus,swiftfusion")

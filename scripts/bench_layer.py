@@ -80,6 +80,7 @@ from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, host_cpu
 from xfuser_swiftfusion.kernels import new_state
 from xfuser_swiftfusion.emulation.shm import PREFIX, SHM_DIR
 from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.tools.quiet import quiet_libraries, quiet_rank
 from xfuser_swiftfusion.emulation.netns import add_link_argument, link_from_args
 from xfuser_swiftfusion.strategies import get, names, ring as ring_mod, tas as tas_mod, torus as torus_mod
 from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
@@ -295,6 +296,7 @@ def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
 def _rank_main(points: list[dict], strategies: list[str], reps: int, quick: bool) -> list[dict]:
     from xfuser_swiftfusion.emulation.netns import current_network, qdisc_bytes
     rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_rank(rank)
     net = current_network()
     rows = []
     ctxs = warm_up(strategies, points[0])
@@ -466,6 +468,7 @@ def _commit() -> str:
 
 
 def main() -> int:
+    quiet_libraries()  # before the ranks load xFuser: the tables, not setup notices
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="equivalence + byte counts only (CI)")
     ap.add_argument("--topologies", default=None)

@@ -22,10 +22,12 @@ from pathlib import Path
 # tests/ first on the path: ``support`` is tests/support (xFuser's wheel installs a ``tests``
 # package of its own, so the package is imported as ``support``, as the tests import it)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from xfuser_swiftfusion.tools.quiet import quiet_libraries  # noqa: E402
 from support import fuzz  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()  # before the ranks load xFuser: the result, not setup notices
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--examples", type=int, default=100, help="emulated launches (hypothesis examples)")
     p.add_argument("--cases-per-launch", type=int, default=4)

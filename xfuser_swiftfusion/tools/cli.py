@@ -218,18 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quiet_libraries() -> None:
-    """The table is the output: xFuser logs at DEBUG by default (``LOG_LEVEL``, read when
-    xFuser is first imported, on every rank), transformers prints notices. An explicit
-    ``LOG_LEVEL`` / ``TRANSFORMERS_VERBOSITY`` wins."""
-    os.environ.setdefault("LOG_LEVEL", "warning")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cmd != "plan":
-        _quiet_libraries()
+    if args.cmd != "plan":  # the table is the output
+        from .quiet import quiet_libraries
+        quiet_libraries()
+    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
@@ -246,6 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     except (TopologyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if not had_group:
+            _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: the process group the command created is destroyed before the rank
+    exits (a gloo or NCCL group left to interpreter teardown can abort a rank: "terminate
+    called without an active exception"); a barrier first when every rank got here, so none
+    leaves while a peer still talks to it."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        if sys.exc_info()[0] is None:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Iterator
 
@@ -43,6 +41,7 @@ from ..log import get_logger
 from ..mesh import counted_inter_node_elements
 from ..strategies import get, names
 from .measure import PeakMemory
+from .quiet import quiet_rank
 
 logger = get_logger(__name__)
 
@@ -389,20 +388,8 @@ def config_from_args(args, world_size: int) -> CompareConfig:
     return cfg
 
 
-def _quiet_logs(rank: int) -> None:
-    """The table is the output: xFuser warns "Using SDPA_FLASH as attention backend" whenever a
-    runtime state is built (every strategy, every round, every rank), torch warns once per
-    rank about a deprecated collective xFuser calls, and every rank would repeat our own
-    warnings: keep rank 0's warnings and everyone's errors."""
-    logging.getLogger("xfuser.core.distributed.runtime_state").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
-                            category=FutureWarning)
-    if rank != 0:
-        logging.getLogger("xfuser.swiftfusion").setLevel(logging.ERROR)
-
-
 def _compare_rank(cfg: CompareConfig) -> list[dict]:
-    _quiet_logs(dist.get_rank())
+    quiet_rank(dist.get_rank())  # the table is the output
     return [asdict(r) for r in run_compare(cfg)]
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from dataclasses import asdict
 from typing import Iterator
 
@@ -37,11 +36,12 @@ from ..mesh import Mesh
 from ..topology import Topology, detect_topology
 from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError, CompareConfig,
                       CompareRow, _aggregate, _effective, _Measure, _mesh_label,
-                      _quiet_logs, _sync, config_from_args, format_table, load_with_reference,
+                      _sync, config_from_args, format_table, load_with_reference,
                       run_on_ranks, time_calls,
                       write_plot)
 from .diffusers_backend import ring_backend
 from .measure import PeakMemory
+from .quiet import quiet_rank
 
 DIFFUSERS_CONFIGS = ("ulysses", "ring", "unified")
 OURS = ("tas", "torus", "swiftfusion", "auto")
@@ -231,9 +231,7 @@ def run_compare_diffusers(cfg: CompareConfig) -> list[CompareRow]:
 
 
 def _rank(cfg: CompareConfig) -> list[dict]:
-    _quiet_logs(dist.get_rank())
-    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated",
-                            category=FutureWarning)  # diffusers' output gather, every call
+    quiet_rank(dist.get_rank())  # the table is the output
     return [asdict(r) for r in run_compare_diffusers(cfg)]
 
 
