@@ -334,7 +334,8 @@ def test_mask_forms_read_as_key_masks():
     forms = {"[B, S_kv]": keys, "[B, 1, 1, S_kv]": keys[:, None, None],
              "[B, H, S_q, S_kv] stride 0": keys[:, None, None].expand(B, H, S_q, S_kv),
              "[1, 1, S_kv] per-batch": keys[:1, None],
-             "additive": torch.zeros(B, S_kv).masked_fill(~keys, float("-inf"))}
+             "additive": torch.zeros(B, S_kv).masked_fill(~keys, float("-inf")),
+             "bf16 -10000 (LTX's)": ((1 - keys.to(torch.bfloat16)) * -10000.0)[:, None, None]}
     for name, mask in forms.items():
         local = masks.localize(mask, B, H, S_q, S_kv, W, 1)
         assert not local.whole, name

@@ -7,9 +7,10 @@ keys ``[B, S_kv, H_kv, D]``:
 - ``[B, S_kv]`` (diffusers' native backend reads it as ``[B, 1, 1, S_kv]``), or any shape
   torch's SDPA broadcasts to ``[B, H, S_q, S_kv]``: Qwen-Image's ``[B, 1, 1, S_kv]``, LTX's
   ``[B, H, 1, S_kv]`` (its text mask repeated per head);
-- bool (True = attend) or additive float: 0 attends, a value ``<= MASKED_AT`` (-1e4, -inf
-  included) masks. ``exp(-1e4)`` is 0 in every float type, so such a key adds exactly nothing
-  to a row that has an unmasked key; any other value is a bias, not a mask;
+- bool (True = attend) or additive float: 0 attends, a value ``<= MASKED_AT`` (-1e3, -inf
+  included; LTX's -10000 is -9984 in bf16) masks. Its weight ``exp(s - s_max - 1e3)`` is 0 in
+  fp32 (below ``e^-104``) wherever the row's scores span less than ~900, so such a key adds
+  exactly nothing to a row that has an unmasked key; any other value is a bias, not a mask;
 - over this rank's keys (the plan split the mask with the tokens: last dimension ``S_kv``) or
   over every rank's keys (a mask the plan does not split: ``W * S_kv``, the same on every
   rank). A query dimension of ``W * S_q`` (a whole-sequence mask) is cut to this rank's rows.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-MASKED_AT = -1.0e4  # additive mask values at or below this mask their key
+MASKED_AT = -1.0e3  # additive mask values at or below this mask their key
 # verdict codes of one rank's mask (sent with it; any rank's failure fails the call on all)
 _OK, _VARIES, _BIAS = 0, 1, 2
 VERDICTS = {_VARIES: "an attention mask that varies along heads or queries (not a key mask)",

@@ -49,9 +49,11 @@ def install(modules: dict[torch.nn.Module, Site]) -> list[Any]:
     for module, site in modules.items():
         tokens: list[contextvars.Token] = []
 
+        @torch.compiler.disable(reason="marks the attention call's site (a context variable)")
         def enter(_module, _args, site=site, tokens=tokens) -> None:
             tokens.append(_current.set(site))
 
+        @torch.compiler.disable(reason="marks the attention call's site (a context variable)")
         def leave(_module, _args, _out, tokens=tokens) -> None:
             _current.reset(tokens.pop())
 
