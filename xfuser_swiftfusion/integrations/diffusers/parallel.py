@@ -57,7 +57,9 @@ def enable_parallelism(model: torch.nn.Module, strategy: str = "swiftfusion",
     ``topology``: ``"NxM"`` machines x GPUs (else ``$SWIFTFUSION_TOPOLOGY``, else detected).
     ``num_heads``: the head count the mesh is planned for (default: the model's
     ``num_attention_heads``). ``ulysses_degree``/``ring_degree``, ``timeout_s``, ``comm``,
-    ``options``: as ``init_sequence_parallel``. ``cp_plan``: overrides the model's ``_cp_plan``.
+    ``options``: as ``init_sequence_parallel``. ``cp_plan``: overrides the model's ``_cp_plan``
+    (either fitted to the model: entries beyond its blocks dropped, ``plans.PlanError`` for a
+    module it lacks).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_parallelism takes a diffusers model (e.g. pipe.transformer), got "
