@@ -38,7 +38,8 @@ def test_compare_diffusers_tiny_flux(tmp_path, capsys):
     assert [PREFIX + c for c in DIFFUSERS_CONFIGS] + list(OURS) == names, names
     assert "skipped" not in table
     for r in rows:
-        assert set(JSON_FIELDS) | {"engine"} == set(r)
+        assert set(JSON_FIELDS) | {"engine", "fallbacks"} == set(r)
+        assert r["fallbacks"] == ({} if r["engine"] == "swiftfusion" else None), r
         assert r["passed"] is True and 0 <= r["max_abs_err"] <= 1e-4, r
         assert r["step_latency_s"] > r["attention_latency_s"] > 0
         assert r["peak_memory_bytes"] > 10 * 2**20
@@ -52,6 +53,31 @@ def test_compare_diffusers_tiny_flux(tmp_path, capsys):
     assert by_name[PREFIX + "unified"]["mesh"] == "2x2x1"
     assert "PASS" in table and "FAIL" not in table
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_diffusers_masked_prompts_run_on_the_strategies(tmp_path, capsys):
+    """``--prompt-padding``: Qwen-Image's pipeline with two prompts of different lengths (the
+    shorter padded and masked); every strategy equals the single-device run with no
+    fallback; diffusers' ring and unified (which cannot apply a mask) are skipped, named."""
+    out_json = tmp_path / "q.json"
+    rc = main(["compare-diffusers", "--model", "tiny-qwenimage", "--emulate", "2x2", "--steps",
+               "2", "--repeats", "1", "--prompt-padding", "5", "--json", str(out_json)])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    rows = json.loads(out_json.read_text())
+    assert [r["strategy"] for r in rows] == [PREFIX + "ulysses", *OURS], rows
+    for r in rows:
+        assert r["passed"] is True and 0 <= r["max_abs_err"] <= 1e-4, r
+        assert r["fallbacks"] == ({} if r["engine"] == "swiftfusion" else None), r
+    assert "the second 5 of 16 text tokens shorter" in table
+    assert "fallbacks (rank 0): none" in table
+    assert "skipped diffusers' ring, unified" in table and "masked prompts" in table
+    assert main(["compare-diffusers", "--model", "tiny-flux", "--emulate", "2x2",
+                 "--prompt-padding", "5"]) == 2
+    assert "Flux's pipeline passes no text mask" in capsys.readouterr().err
+    assert main(["compare-diffusers", "--model", "tiny-qwenimage", "--emulate", "2x2",
+                 "--max-sequence-length", "14"]) == 2
+    assert "multiple of the 4 ranks" in capsys.readouterr().err
 
 
 def test_degrees_and_mesh_labels():
@@ -93,6 +119,10 @@ def test_select_rows_and_errors():
 def test_select_keeps_ring_and_unified_on_cpu():
     rows, skipped = select(None, Topology(2, 2), 24)
     assert rows == [PREFIX + c for c in DIFFUSERS_CONFIGS] + list(OURS) and skipped == []
+    rows, skipped = select(None, Topology(2, 2), 24, masked=True)
+    assert rows == [PREFIX + "ulysses", *OURS] and skipped == ["ring", "unified"]
+    with pytest.raises(ValueError, match="no masked prompts"):
+        select("ring", Topology(2, 2), 24, masked=True)
 
 
 def test_ring_backend_reasons():

@@ -274,16 +274,8 @@ def _ltx2():
 def _minimax_h3():
     from diffusers import MiniMaxH3Transformer3DModel
     torch.manual_seed(0)
+    from .diffusers_models import minimax_h3_rows
     nt, na, nv = 8, 8, 48       # 64 rows: a multiple of the wrapper's alignment (no pad rows)
-    length = nt + na + nv
-    text, audio, video = torch.arange(nt), torch.arange(nt, nt + na), torch.arange(nt + na, length)
-    tags = torch.zeros(length, dtype=torch.long)
-    tags[text], tags[audio] = 1, 2
-    steps = torch.zeros(length, dtype=torch.long)
-    steps[audio] = 1
-    pos = torch.zeros(length, 3)
-    pos[:, 0] = torch.arange(length).float()
-    pos[video, 1], pos[video, 2] = (torch.arange(nv) // 4 % 4).float(), (torch.arange(nv) % 4).float()
     model = MiniMaxH3Transformer3DModel(
         num_attention_heads=HEADS, attention_head_dim=16, hidden_size=32, num_layers=2,
         num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=6,
@@ -293,9 +285,7 @@ def _minimax_h3():
     return model, dict(hidden_states=torch.randn(1, nv, 16, generator=g),
                        audio_hidden_states=torch.randn(1, na, 6, generator=g),
                        encoder_hidden_states=torch.randn(1, nt, 8, generator=g),
-                       timestep=torch.tensor([0.7, 0.3]), timestep_indices=steps,
-                       token_tags=tags, position_ids=pos, video_indices=video,
-                       audio_indices=audio, text_indices=text)
+                       timestep=torch.tensor([0.7, 0.3]), **minimax_h3_rows(nt, na, nv, 4, 4))
 
 
 def _krea2():

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a diffusers pipeline under diffusers' own context parallelism (ulysses, ring, "
              "unified) and under our strategies through the diffusers integration")
     add_compare_arguments(cd)
-    from .compare_diffusers import TEXT_TOKENS
+    from .compare_diffusers import TEXT_TOKENS, add_arguments as add_diffusers_arguments
+    add_diffusers_arguments(cd)
     cd.set_defaults(max_sequence_length=TEXT_TOKENS)
     return p
 

@@ -1,9 +1,11 @@
 """``enable_parallelism`` / ``disable_parallelism``: a diffusers model's context parallelism with
 a SwiftFusion strategy doing the attention.
 
-diffusers' own hooks (the model's ``_cp_plan``) split the sequence over the default process
-group and gather the output; the routed attention backends (``routing``) send every
-context-parallel attention call to the strategy's ``SequenceParallelContext``.
+diffusers' own hooks (the model's ``_cp_plan``, fitted to the model: ``plans``) split the
+sequence over the default process group and gather the output; the routed attention backends
+(``routing``) send every context-parallel attention call to the strategy's
+``SequenceParallelContext``, or to the path its tokens call for (``sites``: attention modules
+whose tokens the plan leaves whole on every rank).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ...context import SequenceParallelContext, init_sequence_parallel
 from ...log import get_logger
 from ...strategies import get as get_spec
 from ...topology import Topology
-from . import plans, routing, sharding
+from . import plans, routing, sharding, sites
 
 logger = get_logger(__name__)
 
@@ -32,6 +34,8 @@ class _Enabled:
     ctx: SequenceParallelContext
     config: object         # diffusers' ParallelConfig the route is attached to
     owns_config: bool      # enable_parallelism turned diffusers' context parallelism on
+    route: routing.Route
+    site_hooks: list       # forward hooks marking the modules of ``plans.REPLICATED``
 
 
 def enable_parallelism(model: torch.nn.Module, strategy: str = "swiftfusion",
@@ -53,7 +57,9 @@ def enable_parallelism(model: torch.nn.Module, strategy: str = "swiftfusion",
     ``topology``: ``"NxM"`` machines x GPUs (else ``$SWIFTFUSION_TOPOLOGY``, else detected).
     ``num_heads``: the head count the mesh is planned for (default: the model's
     ``num_attention_heads``). ``ulysses_degree``/``ring_degree``, ``timeout_s``, ``comm``,
-    ``options``: as ``init_sequence_parallel``. ``cp_plan``: overrides the model's ``_cp_plan``.
+    ``options``: as ``init_sequence_parallel``. ``cp_plan``: overrides the model's ``_cp_plan``
+    (either fitted to the model: entries beyond its blocks dropped, ``plans.PlanError`` for a
+    module it lacks).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_parallelism takes a diffusers model (e.g. pipe.transformer), got "
@@ -97,9 +103,11 @@ def enable_parallelism(model: torch.nn.Module, strategy: str = "swiftfusion",
                 sharding.remove_diffusers_cp(model)
             ctx.close()
             raise
+        route = routing.Route(ctx, world, name)
         routing.install()
-        routing.attach(config, routing.Route(ctx, world, name))
-        setattr(model, STATE_ATTR, _Enabled(ctx, config, owns))
+        routing.attach(config, route)
+        hooks = sites.install(plans.replicated_sites(model))
+        setattr(model, STATE_ATTR, _Enabled(ctx, config, owns, route, hooks))
     logger.info(f"rank {ctx.rank}: {name} context-parallel over {world} ranks, attention on "
                 f"{ctx.strategy} ({ctx.mesh.describe()}, topology {ctx.topology})")
     return ctx
@@ -123,6 +131,7 @@ def disable_parallelism(model: torch.nn.Module) -> None:
         if state is None:
             return
         delattr(model, STATE_ATTR)
+        sites.remove(state.site_hooks)
         routing.detach(state.config)
         routing.uninstall()
         sharding.remove_uneven_error_hook(model)
@@ -130,7 +139,7 @@ def disable_parallelism(model: torch.nn.Module) -> None:
             sharding.remove_diffusers_cp(model)
     stats = state.ctx.stats()
     logger.info(f"rank {state.ctx.rank}: {type(model).__name__}: {stats['strategy']} "
-                f"({stats['mesh']}): {stats['calls']} attention calls, fallbacks "
+                f"({stats['mesh']}): attention calls {_paths(state.route)}, fallbacks "
                 f"{stats['fallbacks']}")
     state.ctx.close()
 
@@ -141,4 +150,16 @@ def context_of(model: torch.nn.Module) -> SequenceParallelContext | None:
     return state.ctx if state is not None else None
 
 
-__all__ = ["context_of", "disable_parallelism", "enable_parallelism"]
+def attention_paths(model: torch.nn.Module) -> dict[str, int]:
+    """Routed attention calls of ``model`` since ``enable_parallelism``, per path that ran
+    (``routing.PATHS``: ``strategy``, ``key-masked`` (strategy calls with a key mask),
+    ``local``, ``merged``, ``gathered``), paths without calls left out; {} when not enabled."""
+    state = getattr(model, STATE_ATTR, None)
+    return _paths(state.route) if state is not None else {}
+
+
+def _paths(route: routing.Route) -> dict[str, int]:
+    return {p: route.paths[p] for p in routing.PATHS if route.paths[p]}
+
+
+__all__ = ["attention_paths", "context_of", "disable_parallelism", "enable_parallelism"]
