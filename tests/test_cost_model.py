@@ -38,33 +38,51 @@ def test_byte_terms_equal_counted(nodes, gpus, heads):
             assert p.inter_node_bytes == max(counted) * 2
 
 
+def _faster(profile, kind: str, locality: str, factor: float):
+    """``profile`` with ``kind``'s bandwidth at ``locality`` times ``factor``."""
+    rates = {k: dict(v) for k, v in profile.transfers.items()}
+    rates[kind][locality] = dataclasses.replace(rates[kind][locality], bw=rates[kind][locality].bw * factor)
+    return dataclasses.replace(profile, transfers=rates)
+
+
+def _attention(profile, rate: float, by_keys: dict[int, float] | None = None):
+    """``profile`` whose kernel runs ``rate`` FLOP/s (times ``by_keys[Lk]`` at Lk keys) at every
+    head dim, without merge or call costs."""
+    pts = tuple((1024, lk, rate * f) for lk, f in (by_keys or {1024: 1.0}).items())
+    table = {dt: {D: pts for D in (32, 64, 128)} for dt in ("bf16", "fp32")}
+    return dataclasses.replace(profile, attention=table, merge_s_per_elem=0.0, attend_call_s=0.0)
+
+
 def test_more_bandwidth_is_not_slower():
     topo, w = Topology(4, 8), Workload(1, 66048 - 66048 % 32, 24, 128)
     for s in STRATS:
         base = predict(s, topo, w, P4DE).latency_s
-        for field in ("inter_bw", "one_sided_inter_bw", "intra_bw", "one_sided_intra_bw"):
-            fast = dataclasses.replace(P4DE, **{field: getattr(P4DE, field) * 4})
-            assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, field)
+        for kind in P4DE.transfers:
+            for locality in ("intra", "inter"):
+                fast = _faster(P4DE, kind, locality, 4)
+                assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, kind, locality)
 
 
 def test_key_length_efficiency_scales_attention_time():
     """A profile whose kernel runs twice as fast on long key sets predicts half the attention
     FLOP time for a layer whose calls have long key sets (usp on 1x4 is Ulysses: all 32768
-    queries against all 32768 keys on H/4 heads), and none for 2048 keys (nearest entry: 1024)."""
+    queries against all 32768 keys on H/4 heads: beyond the last point, 16384 keys), and the
+    log-log interpolation's 2^(1/4) at 2048 keys (a quarter of the way from 1024 to 16384)."""
     topo, w = Topology(1, 4), Workload(1, 32768, 8, 64)
-    slow = dataclasses.replace(P4DE, attn_flops={"bf16": 1e12, "fp32": 1e11}, attend_overhead_s=0.0,
-                               merge_s_per_elem=0.0)
-    fast_long = dataclasses.replace(slow, key_len_efficiency={1024: 1.0, 16384: 2.0})
+    slow = _attention(P4DE, 1e12)
+    fast_long = _attention(P4DE, 1e12, {1024: 1.0, 16384: 2.0})
     base, fast = (predict("usp", topo, w, p).compute_s for p in (slow, fast_long))
-    assert fast == pytest.approx(base / 2, rel=1e-9)
-    short = Workload(1, 2048, 8, 64)  # 2048 keys: nearer 1024 on a log scale
-    assert predict("usp", topo, short, fast_long).compute_s == pytest.approx(
-        predict("usp", topo, short, slow).compute_s, rel=1e-9)
+    copies = base - 4 * 2 * 32768 * 32768 * 64 / 1e12   # the permute copies around the all-to-alls
+    assert fast - copies == pytest.approx((base - copies) / 2, rel=1e-9)
+    short = Workload(1, 2048, 8, 64)
+    flop = 4 * 2 * 2048 * 2048 * 64 / 1e12
+    gap = predict("usp", topo, short, slow).compute_s - predict("usp", topo, short, fast_long).compute_s
+    assert gap == pytest.approx(flop * (1 - 2 ** -0.25), rel=1e-9)
 
 
 def test_torus_overlap_beats_tas_when_compute_dominates():
     topo = Topology(4, 8)
-    slow_compute = dataclasses.replace(P4DE, attn_flops={"bf16": 20e12, "fp32": 2e12})
+    slow_compute = _attention(P4DE, 20e12)
     w = Workload(1, 131072, 24, 128)
     tas = predict("tas", topo, w, slow_compute)
     torus = predict("torus", topo, w, slow_compute)

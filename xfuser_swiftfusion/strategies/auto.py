@@ -123,5 +123,5 @@ class AutoAttention:
 
 SPEC = register(StrategySpec(
     "auto", "tas", "the strategy and Ulysses degree the cost model predicts fastest per shape",
-    build=AutoAttention, schedule=None, order=4, native=NATIVE))
+    build=AutoAttention, order=4, native=NATIVE))
 AutoAttention.spec = SPEC

@@ -22,7 +22,8 @@ from ..emulation.netns import add_link_argument, link_from_args
 from ..kernels import BACKENDS
 from ..mesh import (choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine,
                     torus_mesh)
-from ..strategies import names, specs
+from ..strategies import names
+from ..strategies.registry import modelled
 from ..topology import Topology, TopologyError
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -41,7 +42,7 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     work = Workload(batch, seq_len, heads, head_dim, dtype)
     profile = get_profile(hardware, topo)
     out = {}
-    for spec in (s for s in specs() if s.schedule is not None):
+    for spec in modelled():
         name = spec.name
         mesh, h = (torus_mesh(topo, heads, spec.placement, pad=pad_heads) if spec.needs_torus
                    else (choose_mesh(topo, heads, spec.placement), heads))
