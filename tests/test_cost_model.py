@@ -1,4 +1,6 @@
-"""Cost model: byte terms, monotonicity, ``plan --json`` fields, and ``auto`` end to end."""
+"""Cost model: byte and op counts of the programs, monotonicity, predictions that follow the
+strategies' step lists, ``plan --json`` fields, profile files, ``calibrate``, and ``auto`` end
+to end."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +17,13 @@ from xfuser_swiftfusion.cost_model import (GPU_PROFILES, Workload, candidates, i
                                            predict, recommend, ulysses_degrees)
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
+from xfuser_swiftfusion.strategies import get, ring, tas, torus
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
 STRATS = ("usp", "tas", "torus", "swiftfusion")
 P4DE = GPU_PROFILES["p4de"]
+real_tas, real_torus = tas.tas_schedule, torus.torus_schedule
 
 
 @pytest.mark.parametrize("nodes,gpus,heads", [(2, 8, 24), (4, 8, 24), (3, 8, 24), (4, 2, 12),
@@ -158,3 +162,116 @@ def test_cpu_profile_warns_once_when_measured_on_another_cpu(tmp_path, caplog):
         cpu_profile(8, path=other)
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "Some Other CPU" in msgs[0] and "calibrate_cpu.py" in msgs[0]
+
+
+# --- the model runs the code's own schedules -----------------------------------------------
+
+def test_program_op_counts_equal_the_counted_ones():
+    """Each rank's program makes the calls ``ctx.stats()`` counts on a real run
+    (tests/test_op_counts.py pins those to formulas and checks them on emulated clusters)."""
+    from test_op_counts import CASES, expected
+    from xfuser_swiftfusion.strategies.ops import counts
+    for (topo, heads), tur in CASES.items():
+        t = Topology.parse(topo)
+        for s in ("tas", "torus", "swiftfusion"):
+            spec = get(s)
+            mesh = choose_mesh(t, heads, spec.placement)
+            w = Workload(1, 8 * t.world_size, heads, 8, "fp32")
+            for x, ops in enumerate(cost_model.programs(spec, mesh, w)):
+                assert counts(ops) == expected(s, *tur), (topo, heads, s, x)
+
+
+def _late_pulls(T, t, text):
+    """The Torus schedule with its pulls issued only after Pull-Q stage 1's attention."""
+    steps = real_torus(T, t, text)
+    issue = next(i for i, s in enumerate(steps) if s.kind == "issue")
+    first = next(i for i, s in enumerate(steps) if s.kind == "attend" and s.kv == t)
+    return steps[:issue] + steps[issue + 1:first + 1] + [steps[issue]] + steps[first + 1:]
+
+
+def test_prediction_follows_a_changed_schedule(monkeypatch):
+    """Editing a strategy's step list, and nothing else, changes its prediction: the Torus
+    pulls issued later (a link-bound layer waits longer), a ring without its fetches (no ring
+    bytes), ``tas`` with one all-to-all more."""
+    topo, w = Topology(4, 8), Workload(1, 98304, 24, 128)
+    slow = dataclasses.replace(P4DE, transfers={k: {loc: dataclasses.replace(r, bw=r.bw / 40)
+                                                    for loc, r in v.items()}
+                                                for k, v in P4DE.transfers.items()})
+    torus_s, tas_s = (predict(s, topo, w, slow).latency_s for s in ("torus", "tas"))
+    monkeypatch.setattr(torus, "torus_schedule", _late_pulls)
+    assert predict("torus", topo, w, slow).latency_s > torus_s * 1.01
+    monkeypatch.setattr(ring, "ring_schedule", lambda R: [ring.RingStep(i, False) for i in range(1, R + 1)])
+    assert predict("tas", topo, w, slow).latency_s < tas_s * 0.99
+    monkeypatch.undo()
+    monkeypatch.setattr(tas, "tas_schedule", lambda text: [tas.TasStep("all_to_all", "Q"), *real_tas(text)])
+    assert predict("tas", topo, w, slow).latency_s > tas_s * 1.01
+
+
+def _schedules_on_rank(which: str):
+    """tas on 1x2 with one head (U1 x R2: a ring of 2), its step list or its ring's edited."""
+    if which == "tas":   # no ring step: the states are never updated
+        tas.tas_schedule = lambda text: [s for s in real_tas(text) if s.kind != "ring"]
+    elif which == "ring":  # the ring stops after its first step: the peer's block is missed
+        ring.ring_schedule = lambda R: [ring.RingStep(1, False)]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(3))
+    S = 16 // world
+    mine = slice(rank * S, (rank + 1) * S)
+    ctx = sf.init_sequence_parallel("tas", 1, timeout_s=60)
+    try:
+        out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
+        return max_abs_err(out, rank_rows(q, k, v, rank, world))
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("which", ["none", "tas", "ring"])
+def test_strategies_execute_their_step_lists(which):
+    """The step lists the model times are the ones ``tas`` and its ring execute: an edited
+    list changes the output (the untouched one is exact)."""
+    err = max(run_emulated(_schedules_on_rank, "1x2", which, timeout_s=120))
+    assert (err < 1e-5) == (which == "none"), err
+
+
+# --- profiles -------------------------------------------------------------------------------
+
+def test_profile_file_round_trip_and_every_entry_point(tmp_path, monkeypatch, capsys):
+    """A profile file predicts what the profile it was written from predicts, and plan, auto
+    and the CLI's --hardware all take it."""
+    from xfuser_swiftfusion.hardware import get_profile, load_profile, save_profile
+    from xfuser_swiftfusion.strategies.auto import choose
+    path = tmp_path / "mine.json"
+    save_profile(dataclasses.replace(P4DE, name="mine"), path)
+    prof = load_profile(path)
+    topo, w = Topology(4, 8), Workload(1, 65536, 24, 64)
+    for s in STRATS:
+        assert predict(s, topo, w, prof).latency_s == predict(s, topo, w, P4DE).latency_s
+    assert get_profile(str(path)).name == "mine"
+    assert cli.main(["plan", "--nodes", "4", "--gpus-per-node", "8", "--heads", "24", "--seq-len",
+                     "65536", "--head-dim", "64", "--json", "--hardware", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["hardware"] == "mine"
+    monkeypatch.setenv("SWIFTFUSION_HARDWARE", str(path))
+    best, _, name = choose(topo, 24, torch.empty(1, 24, 65536 // 32, 64, dtype=torch.bfloat16))
+    assert name == "mine" and best == recommend(topo, w, prof, pad_heads=True)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["check", "--emulate", "1x2", "--hardware", str(bad)]) == 2
+    assert "swiftfusion calibrate" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_the_model_runs(tmp_path, capsys):
+    """``swiftfusion calibrate --emulate 2x2 --quick`` (loopback): every transfer kind within
+    and across machines, a table, and a file that plans."""
+    from xfuser_swiftfusion.hardware import KINDS, load_profile
+    out = tmp_path / "emu.json"
+    assert cli.main(["calibrate", "--emulate", "2x2", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    prof = load_profile(out)
+    assert prof.host_cores and prof.host_waits and not prof.two_sided_fifo
+    for kind in KINDS:
+        assert kind in text
+        assert prof.transfers[kind]["inter"].bw > 0 and prof.transfers[kind]["intra"].cpu_s_per_byte > 0
+    assert prof.measured["topology"] == "2x2"
+    p = predict("torus", Topology(2, 2), Workload(1, 4096, 8, 64), prof)
+    assert 0 < p.compute_s < p.latency_s
