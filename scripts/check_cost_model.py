@@ -14,6 +14,11 @@ measurements stored by ``bench_layer.py`` (their ``predicted_s``, the model of t
 shown beside it). Auto's pick then has a measured latency only where it is a strategy at its
 default degree that was measured.
 
+``--paper``: no run; SFU/USP and TAS/USP per attention layer predicted on ``--hardware``
+(default ``p4de``, datasheet rates) at the paper's layerwise points (4 x 8 A100, 24 heads, its
+default mesh U8 x R4: L 96k-192k at B=1 and B 1-4 at L=128k, for D 32, 64, 128), averaged as the
+paper averages them, beside the paper's averages (docs/cost-model.md).
+
 Command: sudo .venv/bin/python scripts/check_cost_model.py [--points 0,4] [--reps 5]
   [--out benchmarks/results/check-cost-model]   (about 75 min on a quiet 2-core host)
   .venv/bin/python scripts/check_cost_model.py --stored benchmarks/results/layer-*.json
@@ -48,6 +53,38 @@ POINTS = [  # (topology, link Mbit/s, B, L, D): BENCHMARKS.md "Is it faster than
     ("4x2", 160, 1, 16384, 64), ("4x1", 2000, 1, 16384, 64), ("4x2", 2000, 1, 16384, 64)]
 STRATEGIES = ("usp", "tas", "torus", "swiftfusion")
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# the paper's layerwise averages (shared/paper: \DefineEval), SFU and TAS over USP
+PAPER = {"L=96k": (1.59, 1.41), "L=128k": (1.27, 1.14), "L=160k": (1.07, 1.11),
+         "L=192k": (1.14, 1.06), "D=32": (1.12, 1.05), "D=64": (1.28, 1.16), "D=128": (1.32, 1.23),
+         "B=1": (1.27, 1.14), "B=2": (1.27, 1.15), "B=4": (1.13, 1.04)}
+
+
+def paper(hardware: str) -> str:
+    """The paper comparison: each average over the layerwise points it covers (the L sweep at
+    B=1, the B sweep at L=128k; a D average over both, 128k B=1 once)."""
+    topo, prof = Topology(4, 8), get_profile(hardware)
+    Ls = {"96k": 96 * 1024, "128k": 128 * 1024, "160k": 160 * 1024, "192k": 192 * 1024}
+    pts = {}
+    for D in (32, 64, 128):
+        for name, L in Ls.items():
+            for B in ((1, 2, 4) if name == "128k" else (1,)):
+                w = Workload(B, L, 24, D)
+                lat = {s: predict(s, topo, w, prof).latency_s for s in ("usp", "tas", "swiftfusion")}
+                pts[(D, name, B)] = (lat["usp"] / lat["swiftfusion"], lat["usp"] / lat["tas"])
+    groups = {f"L={n}": [k for k in pts if k[1] == n and k[2] == 1] for n in Ls}
+    groups |= {f"D={d}": [k for k in pts if k[0] == d] for d in (32, 64, 128)}
+    groups |= {f"B={b}": [k for k in pts if k[1] == "128k" and k[2] == b] for b in (1, 2, 4)}
+    lines = [f"| average over | points | SFU/USP predicted | paper | off | TAS/USP predicted | paper | off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for g, keys in groups.items():
+        sfu = statistics.mean(pts[k][0] for k in keys)
+        tas = statistics.mean(pts[k][1] for k in keys)
+        ps, pt = PAPER[g]
+        lines.append(f"| {g} | {len(keys)} | {sfu:.2f}x | {ps:.2f}x | {100 * (sfu / ps - 1):+.0f} % | "
+                     f"{tas:.2f}x | {pt:.2f}x | {100 * (tas / pt - 1):+.0f} % |")
+    each = ["", "| D | L | B | SFU/USP | TAS/USP |", "|---:|---|---:|---:|---:|"]
+    each += [f"| {D} | {n} | {B} | {v[0]:.2f}x | {v[1]:.2f}x |" for (D, n, B), v in pts.items()]
+    return "\n".join(lines + each)
 
 
 def _groups(indices: list[int]) -> dict[tuple[str, float], list[int]]:
@@ -146,12 +183,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calibrate-budget", type=float, default=100.0)
     ap.add_argument("--stored", nargs="+", metavar="FILE", help="bench_layer.py results instead of a run")
-    ap.add_argument("--hardware", default="cpu-emulated", help="--stored: the profile")
+    ap.add_argument("--paper", action="store_true", help="the paper's layerwise points (no run)")
+    ap.add_argument("--hardware", default=None,
+                    help="--stored: the profile (default cpu-emulated); --paper: (default p4de)")
     ap.add_argument("--out", default=str(RESULTS / "check-cost-model"))
     a = ap.parse_args()
     t0 = time.time()
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
+    if a.paper:
+        print(f"`{cmd}`\n\n{paper(a.hardware or 'p4de')}")
+        return 0
     if a.stored:
+        a.hardware = a.hardware or "cpu-emulated"
         rows = [r for f in a.stored for r in json.load(open(f))["rows"]]
         keys = {(p[0], float(p[1]), *p[2:]) for p in POINTS}
         rows = [r for r in rows if _point_key(r) in keys and r["strategy"] in STRATEGIES]

@@ -112,6 +112,9 @@ def test_compute_and_transfer_cpu_share_the_host():
     cost is 2 % of the link's time runs at full link speed and slows compute by that 2 %."""
     cpu = int(1e9)  # one second of copying at 1 GB/s
     assert run([[Copy(cpu)], [Copy(cpu)]], host_cores=1.0) == pytest.approx([2.0, 2.0])
+    # 4 ranks on 2 cores: half a core each; 2 ranks on 2 cores: one each (no more)
+    assert run([[Copy(cpu)]] * 4, "4x1", host_cores=2.0) == pytest.approx([2.0] * 4)
+    assert run([[Copy(cpu)]] * 2, host_cores=2.0) == pytest.approx([1.0] * 2)
     rate = {"intra": Rate(10 * MB, 0.0), "inter": Rate(1 * MB, 0.0, cpu_s_per_byte=0.02 / MB)}
     rates = {k: rate for k in ("exchange", "all_to_all", "all_gather", "get", "put")}
     prog = [[Transfer("a", "put", "other", ((1, MB),)), Copy(cpu), Wait(("a",))], []]

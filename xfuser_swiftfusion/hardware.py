@@ -21,7 +21,9 @@ Rates (docs/cost-model.md):
 - ``host_waits``: the host waits for each compute call (CPU) instead of queueing it (GPU);
 - ``two_sided_fifo``: exchanges on one queue run one after another (NCCL, one stream per
   queue) instead of concurrently, one FIFO per peer (gloo);
-- ``inter_gpu_bw``: one GPU's own cap on inter-machine traffic per direction (its NIC share).
+- ``inter_gpu_bw``: one GPU's own cap on inter-machine traffic per direction (its NIC share);
+- ``one_sided_depth``: transfers of one one-sided queue in flight at once (NVSHMEM's
+  on-stream get/put: 1; the CPU emulation's proxy: ``shm._IN_FLIGHT``).
 
 File format (``format: swiftfusion-hardware/1``): the fields above by name, ``attention`` as
 ``{dtype: {D: [[Lq, Lk, flops], ...]}}``, ``transfers`` as ``{kind: {locality: {bw,
@@ -77,6 +79,7 @@ class HardwareProfile:
     host_waits: bool = False
     two_sided_fifo: bool = True
     inter_gpu_bw: float | None = None
+    one_sided_depth: int = 1
     source: str = ""
     measured: dict = field(default_factory=dict)
 
@@ -250,7 +253,8 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
         attention=attention, attention_bh=16, barrier_s=m["barrier_s"], sync_s=m["barrier_s"],
         attend_call_s=m["attend_overhead_s"] / share, transfer_call_s=0.0,
         merge_s_per_elem=m["merge_s_per_elem"] / share, copy_bw=m["copy_bw"] * share,
-        host_cores=None, host_waits=True, two_sided_fifo=False, source=data["command"],
+        host_cores=None, host_waits=True, two_sided_fifo=False,
+        one_sided_depth=2, source=data["command"],  # the emulation's proxy: shm._IN_FLIGHT
         measured={"cpu": data.get("cpu"), "date": data.get("measured"), "world": int(w)})
 
 

@@ -12,9 +12,10 @@ on finished:
   is ordered after the compute issued before it, as on a CUDA side stream); two-sided
   messages start when both ends posted them (sends and receives of a pair match in order),
   one-sided ones when the initiator did; then its latency passes, then its bytes flow;
-- queues: one-sided transfers of a rank's queue run one after another (a stream, or the
-  emulation's copy thread); two-sided ones too with ``two_sided_fifo`` (one NCCL stream per
-  queue), else concurrently with one FIFO per peer and direction (gloo's socket per pair);
+- queues: one-sided transfers of a rank's queue run one after another (a stream), at most
+  ``one_sided_depth`` at once (the emulation's proxy keeps two in flight); two-sided ones one
+  after another with ``two_sided_fifo`` (one NCCL stream per queue), else concurrently with
+  one FIFO per peer and direction (gloo's socket per pair);
 - a barrier ends ``barrier_s`` (``sync_s``) after the last of its ranks arrived; a quiet
   one's arrival also waits for the rank's transfers issued before it.
 
@@ -76,7 +77,7 @@ class _Builder:
         W, C = topo.world_size, prof.host_cores
         self.full_share = 1.0 if C is None else min(1.0, C / W)  # compute speed, all busy
         if C is not None:
-            self.caps["host"] = C
+            self.caps[("host",)] = C
 
     # -- resources
     def _cpu(self, rank: int) -> tuple:
@@ -135,7 +136,7 @@ class _Builder:
             host = stream = self.start
             handles: dict[str, int] = {}
             open_: list[int] = []
-            fifo: dict[str, int | None] = {}
+            fifo: dict[tuple, list[int]] = defaultdict(list)  # queue -> its transfers' ends
             busy = 0.0
             for op in ops:
                 if isinstance(op, (Attend, Copy)):
@@ -149,14 +150,15 @@ class _Builder:
                 elif isinstance(op, Transfer):
                     if p.transfer_call_s:
                         host = g.add([host], _DELAY, p.transfer_call_s)
-                    queue = (op.queue, op.kind in ("get", "put"))
-                    fifo_first = op.kind in ("get", "put") or p.two_sided_fifo
-                    issue = g.add([host, stream, fifo.get(queue) if fifo_first else None])
+                    one = op.kind in ("get", "put")
+                    queue = fifo[op.queue, one]
+                    depth = p.one_sided_depth if one else 1 if p.two_sided_fifo else 0
+                    before = queue[-depth] if depth and len(queue) >= depth else None
+                    issue = g.add([host, stream, before])
                     done = g.add([])  # completed when its messages are (filled in below)
                     handles[op.handle] = done
                     open_.append(done)
-                    if fifo_first:
-                        fifo[queue] = done
+                    queue.append(done)
                     self.transfers.append((rank, op, issue, done))
                     if op.kind in ("get", "put"):
                         for peer, n in op.recvs:

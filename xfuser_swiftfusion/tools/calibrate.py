@@ -348,6 +348,7 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
     cores = float(raw["cores"]) if cpu else None
     per_core = max(1.0, W / cores) if cpu else 1.0   # ranks per core while all computed
     measured = raw["transfers"]
+    issue = raw["transfer_call_s"]  # the timeline adds it before each transfer's latency
     transfers = {}
     for kind in KINDS:
         got = measured.get(kind, {})
@@ -357,10 +358,11 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
             if m is None:  # one rank: nothing to measure, nothing to move
                 rates[loc] = Rate(math.inf, 0.0)
                 continue
+            lat = max(m["latency_s"] - issue, 0.0)
             if cpu and loc == "intra" and loc in got:  # CPU-bound: the cores it takes
-                rates[loc] = Rate(math.inf, m["latency_s"], min(cores, W) / (W * m["bw"]))
+                rates[loc] = Rate(math.inf, lat, min(cores, W) / (W * m["bw"]))
             else:
-                rates[loc] = Rate(m["bw"], m["latency_s"], m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
+                rates[loc] = Rate(m["bw"], lat, m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
         transfers[kind] = rates
     attention = {dt: {int(D): tuple((lq, lk, f * per_core) for lq, lk, f in pts)
                       for D, pts in t.items()} for dt, t in raw["attention"].items()}
