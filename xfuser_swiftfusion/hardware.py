@@ -254,7 +254,7 @@ def cpu_profile(world_size: int, gpus_per_node: int = 1, link_mbit: float | None
         attend_call_s=m["attend_overhead_s"] / share, transfer_call_s=0.0,
         merge_s_per_elem=m["merge_s_per_elem"] / share, copy_bw=m["copy_bw"] * share,
         host_cores=None, host_waits=True, two_sided_fifo=False,
-        one_sided_depth=2, source=data["command"],  # the emulation's proxy: shm._IN_FLIGHT
+        source=data["command"],
         measured={"cpu": data.get("cpu"), "date": data.get("measured"), "world": int(w)})
 
 

@@ -77,6 +77,7 @@ class Raw:
     transfer_call_s: float = 0.0
     merge_s_per_elem: float = 0.0
     copy_bw: float = 0.0
+    one_sided_depth: int = 1
     skipped: list = field(default_factory=list)
     elapsed_s: float = 0.0
 
@@ -212,6 +213,34 @@ class _Transfers:
             out["cpu_s_per_byte"] = cpu / (sent * self.topo.world_size)
         return out
 
+    def depth(self) -> int:
+        """One-sided transfers one queue keeps moving at once: two gets of equal size from two
+        other machines, back to back; the first done by ~half the time: one (FIFO), later:
+        two (they share the link). Needs 3 machines; else 1."""
+        N, M = self.topo.nodes, self.topo.gpus_per_node
+        if N < 3:
+            return 1
+        t, i = divmod(self.rank, M)
+        n = 1 << (14 if self.cfg.quick else 20)
+        buf = self.one.symmetric_empty((3, n), torch.float32)
+        buf.zero_()
+        peers = [((t + k) % N) * M + i for k in (1, 2)]
+        ratios = []
+        for _ in range(self.clock.reps):
+            self.one.barrier_all(what="calibrate depth")
+            t0 = time.perf_counter()
+            hs = [self.one.get(buf[1 + j], buf[0], p, queue="other", what="calibrate depth")
+                  for j, p in enumerate(peers)]
+            hs[0].wait()
+            _sync(self.device)
+            t1 = time.perf_counter() - t0
+            hs[1].wait()
+            _sync(self.device)
+            ratios.append(t1 / (time.perf_counter() - t0))
+        r = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
+        dist.all_reduce(r)
+        return 2 if r.item() / dist.get_world_size() > 0.75 else 1
+
     def issue_cost(self) -> float:
         """Host seconds to issue one transfer (tiny exchanges issued back to back)."""
         loc = "intra" if "intra" in self.peers else "inter"
@@ -329,6 +358,7 @@ def _rank_main(cfg: CalibrateConfig) -> dict | None:
                 raw.transfers.setdefault(kind, {})[loc] = tr.measure(kind, loc)
         raw.transfer_call_s = tr.issue_cost() if tr.peers else 0.0
         raw.barrier_s, raw.sync_s = tr.barriers()
+        raw.one_sided_depth = tr.depth()
     finally:
         tr.close()
     dt = cfg.dtypes[0]
@@ -372,6 +402,7 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
         transfer_call_s=raw["transfer_call_s"], merge_s_per_elem=raw["merge_s_per_elem"] / per_core,
         copy_bw=raw["copy_bw"] * per_core, host_cores=cores, host_waits=cpu,
         two_sided_fifo="nccl" in raw["backend"], inter_gpu_bw=None,
+        one_sided_depth=raw.get("one_sided_depth", 1),
         source=f"swiftfusion calibrate on {raw['topology']} {raw['device']}",
         measured={"command": command, "topology": raw["topology"], "device": raw["device"],
                   "backend": raw["backend"], "host": socket.gethostname(), "torch": torch.__version__,
@@ -404,7 +435,8 @@ def format_table(prof: HardwareProfile, raw: dict, link_mbit: float | None) -> s
             per = "/s per machine" if loc == "inter" else "/s per rank"
             lines.append(f"{kind:<12} {loc:<6} {_si(bw, 'B') + per:>14} {m['latency_s'] * 1e6:>8.0f} us "
                          f"{r.cpu_s_per_byte * 1e9:>9.2f}{vs}")
-    lines.append(f"barrier {prof.barrier_s * 1e6:.0f} us, sync {prof.sync_s * 1e6:.0f} us; host cost per "
+    lines.append(f"barrier {prof.barrier_s * 1e6:.0f} us, sync {prof.sync_s * 1e6:.0f} us; one-sided queue "
+                 f"depth {prof.one_sided_depth}; host cost per "
                  f"call: attend {prof.attend_call_s * 1e6:.0f} us, transfer {prof.transfer_call_s * 1e6:.0f} us; "
                  f"merge {raw['merge_s_per_elem'] * 1e9:.2f} ns/element; copies {_si(raw['copy_bw'], 'B/s')}")
     per_core = " per core" if prof.host_cores else ""
