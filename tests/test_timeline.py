@@ -130,3 +130,29 @@ def test_mismatched_messages_are_an_error():
 def test_every_rank_finishes():
     done = run([[Copy(1)], [Copy(2)]])
     assert all(math.isfinite(x) for x in done)
+
+
+def test_folded_machines_predict_what_every_rank_predicts(monkeypatch):
+    """Where the timeline repeats every k machines only k are simulated: the same latency as
+    simulating every rank (GPU and shared-host profiles); an asymmetric mesh is not folded."""
+    from xfuser_swiftfusion import timeline
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, Workload, predict, programs
+    from xfuser_swiftfusion.mesh import choose_mesh
+    from xfuser_swiftfusion.strategies import get
+    shared = dataclasses.replace(profile(), host_cores=2.0)
+    cases = [("4x2", 12, s, None, 1) for s in ("tas", "torus", "swiftfusion")] + [
+        ("4x2", 12, "usp", None, 2), ("3x2", 12, "usp", 2, 1), ("3x2", 12, "tas", 2, 3), ("2x4", 8, "swiftfusion", None, 1)]
+    for topo_s, H, s, deg, period in cases:
+        topo = Topology.parse(topo_s)
+        w = Workload(1, 512 * topo.world_size, H, 64)
+        mesh = choose_mesh(topo, H, get(s).placement, deg)
+        assert timeline.machine_period(programs(get(s), mesh, w), topo) == period, (topo_s, s)
+        for prof in (GPU_PROFILES["p4de"], shared):
+            folded = predict(s, topo, w, prof, deg).latency_s
+            with monkeypatch.context() as m:
+                m.setattr(timeline, "machine_period", lambda programs, topo: topo.nodes)
+                assert predict(s, topo, w, prof, deg).latency_s == pytest.approx(folded, rel=1e-12)
+    # usp with Ulysses 6 on 3 x 4: groups of 6 contiguous ranks straddle machines unevenly
+    topo = Topology(3, 4)
+    mesh = choose_mesh(topo, 6, "usp", 6)
+    assert timeline.machine_period(programs(get("usp"), mesh, Workload(1, 1200, 6, 64)), topo) == 3

@@ -25,6 +25,14 @@ is full): each machine's link per direction, each GPU's intra-machine port per d
 (and its inter-machine NIC share, ``inter_gpu_bw``), each rank's device, and on a shared host
 (``host_cores``) the host's cores, which the compute calls and the CPU cost of transfers
 (``cpu_s_per_byte``) share; without ``host_cores`` that CPU cost lands on each end's rank.
+
+Symmetry: where the ranks of machine m + k run the programs of machine m's with every peer k
+machines further on (checked op by op; k the smallest such divisor of N), the timeline repeats
+every k machines. Then only the first k machines' ranks are simulated, every other rank folded
+onto its image among them: a message between machines keeps its direction's links (each
+simulated machine's uplink carries its sends, its downlink its receives, as every machine's
+do) and meets its other end by (sender's and receiver's image, machine offset); the host's
+cores count k/N for them.
 """
 from __future__ import annotations
 
@@ -68,16 +76,30 @@ class _Graph:
 class _Builder:
     """The graph of every rank's program (module docstring)."""
 
-    def __init__(self, topo: Topology, prof: HardwareProfile, dtype: str, head_dim: int) -> None:
+    def __init__(self, topo: Topology, prof: HardwareProfile, dtype: str, head_dim: int,
+                 period: int | None = None) -> None:
         self.topo, self.p, self.dtype, self.D = topo, prof, dtype, head_dim
+        self.fold = period is not None and period < topo.nodes
+        self.span = (period or topo.nodes) * topo.gpus_per_node  # ranks simulated
         self.g = _Graph()
         self.caps: dict = {}
         self.start = self.g.add([])
         self._memo: dict = {}
         W, C = topo.world_size, prof.host_cores
         self.full_share = 1.0 if C is None else min(1.0, C / W)  # compute speed, all busy
-        if C is not None:
-            self.caps[("host",)] = C
+        if C is not None:  # folded: the simulated machines' share of the host
+            self.caps[("host",)] = C * self.span / W
+
+    def image(self, rank: int) -> int:
+        """The simulated rank standing for ``rank`` (itself, unless machines are folded)."""
+        return rank % self.span
+
+    def _key(self, src: int, dst: int) -> tuple:
+        """Which sends and receives meet: the pair, or folded (GPUs, machine offset)."""
+        if not self.fold:
+            return (src, dst)
+        node = self.topo.node_of
+        return (self.image(src), self.image(dst), (node(dst) - node(src)) % self.topo.nodes)
 
     # -- resources
     def _cpu(self, rank: int) -> tuple:
@@ -88,9 +110,10 @@ class _Builder:
         return self.g.add(deps, _WORK, seconds, {res: seconds})
 
     def message(self, kind: str, src: int, dst: int, nbytes: int, deps) -> int:
-        """Latency, then ``nbytes`` from ``src`` to ``dst`` over their path."""
+        """Latency, then ``nbytes`` from ``src`` to ``dst`` (real ranks) over their path."""
         node = self.topo.node_of
         local = node(src) == node(dst)
+        src, dst = self.image(src), self.image(dst)
         rate = self.p.rate(kind, "intra" if local else "inter")
         d: dict = defaultdict(float)
         if local:
@@ -124,11 +147,12 @@ class _Builder:
 
     # -- programs
     def build(self, programs: list[list[Op]]) -> list[int]:
-        """Nodes of every rank's program; the node where each rank is done."""
+        """Nodes of the simulated ranks' programs (rank i: ``programs[i]``); the node where
+        each is done."""
         g, p = self.g, self.p
         sync = p.host_waits
         ends, self.compute_s = [], []
-        msgs: dict[tuple, list] = defaultdict(list)  # (src, dst, queue, kind) -> [[bytes, send, recv]]
+        msgs: dict[tuple, list] = defaultdict(list)  # (pair key, queue, kind) -> its ends
         barriers: dict[tuple, list] = defaultdict(list)  # (ranks, quiet) -> per instance arrivals
         seen_barrier: dict[tuple, int] = defaultdict(int)
         self.transfers: list[tuple] = []  # (rank, op, issue node, completion node)
@@ -167,15 +191,17 @@ class _Builder:
                             g.deps[done].append(self.message(op.kind, rank, peer, n, [issue]))
                     else:
                         for peer, n in op.sends:
-                            msgs[rank, peer, op.queue, op.kind].append(("send", n, issue, done))
+                            msgs[self._key(rank, peer), op.queue, op.kind].append(
+                                ("send", n, issue, done, rank, peer))
                         for peer, n in op.recvs:
-                            msgs[peer, rank, op.queue, op.kind].append(("recv", n, issue, done))
+                            msgs[self._key(peer, rank), op.queue, op.kind].append(
+                                ("recv", n, issue, done, peer, rank))
                 elif isinstance(op, Wait):
                     stream = g.add([stream, *(handles[h] for h in op.handles)])
                     if sync:
                         host = stream if host == stream else g.add([host, stream])
                 elif isinstance(op, Barrier):
-                    key = (op.ranks, op.quiet)
+                    key = (tuple(sorted({self.image(x) for x in op.ranks})), op.quiet)
                     i = seen_barrier[rank, key] = seen_barrier.get((rank, key), -1) + 1
                     arrive = g.add([host, stream, *(open_ if op.quiet else [])])
                     insts = barriers[key]
@@ -193,14 +219,15 @@ class _Builder:
     def _match(self, msgs: dict) -> None:
         """Two-sided messages: the n-th send from a to b on a queue meets the n-th receive."""
         g, fifo_pair = self.g, not self.p.two_sided_fifo
-        for (src, dst, queue, kind), ends in msgs.items():
+        for (_, queue, kind), ends in msgs.items():
             sends = [e for e in ends if e[0] == "send"]
             recvs = [e for e in ends if e[0] == "recv"]
             if len(sends) != len(recvs):
+                src, dst = (sends or recvs)[0][4:]
                 raise ValueError(f"{kind} on queue {queue!r}: rank {src} sends {len(sends)} messages "
                                  f"to rank {dst}, which receives {len(recvs)}")
             prev = None
-            for (_, n, s_issue, s_done), (_, _, r_issue, r_done) in zip(sends, recvs):
+            for (_, n, s_issue, s_done, src, dst), (_, _, r_issue, r_done, _, _) in zip(sends, recvs):
                 m = self.message(kind, src, dst, n, [s_issue, r_issue, prev if fifo_pair else None])
                 prev = m
                 g.deps[s_done].append(m)
@@ -305,13 +332,45 @@ def _run(g: _Graph, caps: dict) -> list[float]:
     return finish
 
 
+def machine_period(programs: list[list[Op]], topology: Topology) -> int:
+    """The fewest machines k (dividing N) such that rank x + k*M runs rank x's program with
+    every peer k machines further on (N: no symmetry)."""
+    N = topology.nodes
+    return next(k for k in range(1, N + 1) if N % k == 0 and (k == N or _shifts(programs, topology, k)))
+
+
+def _shifts(programs: list[list[Op]], topology: Topology, k: int) -> bool:
+    M, W = k * topology.gpus_per_node, topology.world_size
+    # a transfer's pairs as a multiset: only the order of one peer's messages across calls matters
+    shift = lambda ps: sorted(((p + M) % W, n) for p, n in ps)  # noqa: E731
+    for x in range(W - M):
+        a, b = programs[x], programs[x + M]
+        if len(a) != len(b):
+            return False
+        for oa, ob in zip(a, b):
+            if isinstance(oa, Transfer):
+                if not (isinstance(ob, Transfer) and (oa.kind, oa.queue, oa.handle) == (ob.kind, ob.queue, ob.handle)
+                        and shift(oa.sends) == sorted(ob.sends) and shift(oa.recvs) == sorted(ob.recvs)):
+                    return False
+            elif isinstance(oa, Barrier):
+                if not (isinstance(ob, Barrier) and oa.quiet == ob.quiet
+                        and {(p + M) % W for p in oa.ranks} == set(ob.ranks)):
+                    return False
+            elif oa != ob:
+                return False
+    return True
+
+
 def simulate(programs: list[list[Op]], topology: Topology, profile: HardwareProfile,
              dtype: str, head_dim: int) -> Result:
-    """Run every rank's program (rank i: ``programs[i]``) from time 0 on ``profile``."""
-    b = _Builder(topology, profile, dtype, head_dim)
-    ends = b.build(programs)
+    """Run every rank's program (rank i: ``programs[i]``) from time 0 on ``profile``; where the
+    timeline repeats every k machines (``machine_period``), the first k machines stand for all."""
+    b = _Builder(topology, profile, dtype, head_dim, machine_period(programs, topology))
+    ends = b.build(programs[:b.span])
     finish = _run(b.g, b.caps)
-    return Result([finish[e] for e in ends], b.compute_s)
+    n = len(ends)
+    return Result([finish[ends[x % n]] for x in range(topology.world_size)],
+                  [b.compute_s[x % n] for x in range(topology.world_size)])
 
 
 __all__ = ["Result", "simulate"]

@@ -107,14 +107,22 @@ class Program:
     def transfer(self, kind: str, queue: str, sends=(), recvs=()) -> str | None:
         """Append a transfer; pairs with myself become a local ``Copy`` (as the communicators
         do). Its handle, None when nothing is left to move."""
-        mine = sum(b for p, b in (*sends, *recvs) if p == self.rank) if kind in ("get", "put") \
-            else sum(b for p, b in sends if p == self.rank)
+        me, mine, out, into = self.rank, 0, [], []
+        for p, b in sends:
+            if p == me:
+                mine += b
+            else:
+                out.append((p, b))
+        for p, b in recvs:
+            if p != me:
+                into.append((p, b))
+            elif kind in ("get", "put"):  # a one-sided transfer with myself is a copy
+                mine += b
         if mine:
             self.ops.append(Copy(mine))
-        sends = tuple((p, b) for p, b in sends if p != self.rank)
-        recvs = tuple((p, b) for p, b in recvs if p != self.rank)
-        if not sends and not recvs:
+        if not out and not into:
             return None
+        sends, recvs = tuple(out), tuple(into)
         self._n += 1
         handle = f"{kind}{self._n}"
         self.ops.append(Transfer(handle, kind, queue, sends, recvs))

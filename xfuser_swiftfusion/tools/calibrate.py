@@ -89,6 +89,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _reduce(x: float, op=dist.ReduceOp.MAX) -> float:
+    """``x`` reduced over every rank (on the rank's GPU under NCCL, which reduces no CPU
+    tensors)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) \
+        else torch.device("cpu")
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
 class _Clock:
     """Timed calls of every rank together; the budget shared (every rank decides alike)."""
 
@@ -97,9 +107,7 @@ class _Clock:
         self.t0 = time.monotonic()
 
     def elapsed(self) -> float:
-        t = torch.tensor([time.monotonic() - self.t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return _reduce(time.monotonic() - self.t0)
 
     def time(self, fn, reps: int | None = None, cpu: bool = False) -> tuple[float, float]:
         """Median over repetitions of the slowest rank's seconds (after a warm-up), and the
@@ -112,12 +120,9 @@ class _Clock:
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             _sync(self.device)
-            x = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-            dist.all_reduce(x[:1], op=dist.ReduceOp.MAX)
-            if cpu:
-                dist.all_reduce(x[1:], op=dist.ReduceOp.SUM)
-            walls.append(x[0].item())
-            cpus.append(x[1].item())
+            wall, used = time.perf_counter() - t0, time.process_time() - c0
+            walls.append(_reduce(wall))
+            cpus.append(_reduce(used, dist.ReduceOp.SUM) if cpu else used)
         return statistics.median(walls), statistics.median(cpus)
 
 
@@ -237,9 +242,8 @@ class _Transfers:
             hs[1].wait()
             _sync(self.device)
             ratios.append(t1 / (time.perf_counter() - t0))
-        r = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
-        dist.all_reduce(r)
-        return 2 if r.item() / dist.get_world_size() > 0.75 else 1
+        mean = _reduce(statistics.median(ratios), dist.ReduceOp.SUM) / dist.get_world_size()
+        return 2 if mean > 0.75 else 1
 
     def issue_cost(self) -> float:
         """Host seconds to issue one transfer (tiny exchanges issued back to back)."""
