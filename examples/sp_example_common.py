@@ -44,12 +44,18 @@ def parse_args(description: str, cpu_defaults: dict, argv: list[str] | None = No
     parser.set_defaults(sp_strategy="swiftfusion")
     parser.add_argument("--emulate", metavar="NxM", default=None,
                         help="CPU: run on N machines x M GPUs emulated by forked gloo ranks")
+    parser.add_argument("--hardware", metavar="NAME|PATH", default=None,
+                        help="--sp-strategy auto: the cost-model profile, built in or written by "
+                             "swiftfusion calibrate (sets $SWIFTFUSION_HARDWARE)")
     if not torch.cuda.is_available():
         model = parser._option_string_actions["--model"]
         model.required, model.default = False, "tiny"
         parser.set_defaults(num_inference_steps=4, max_sequence_length=13, output_type="latent",
                             **cpu_defaults)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.hardware:
+        os.environ["SWIFTFUSION_HARDWARE"] = args.hardware  # read by auto on every rank
+    return args
 
 
 def run(kind: str, parallelize: Callable, save: Callable[[Any, str], str], num_frames: int,

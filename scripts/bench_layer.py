@@ -34,8 +34,9 @@ within each repetition in an order rotated by one per repetition, medians over `
   RSS too; they are another GPU's memory on a real cluster, so they are taken out
   (``_peer_heap_rss``, from /proc/self/smaps: constant during the second call, since the
   first one touched them all);
-- ``predicted``: ``cost_model.predict`` with the calibrated ``cpu-emulated`` profile, for the
-  strategy and Ulysses degree that ran (auto: its pick).
+- ``predicted``: ``cost_model.predict`` with ``--hardware`` (default: the calibrated
+  ``cpu-emulated`` profile at the link rate; a file from ``swiftfusion calibrate``, which
+  ``auto`` then picks with too), for the strategy and Ulysses degree that ran (auto: its pick).
 
 ``--diffusers``: adds rows for diffusers' own context parallelism (``diffusers:ulysses``,
 ``diffusers:ring``, ``diffusers:unified``: ``compare_diffusers.diffusers_degrees`` on the
@@ -76,7 +77,7 @@ from tqdm import tqdm
 
 import xfuser_swiftfusion as sf
 from xfuser_swiftfusion import kernels
-from xfuser_swiftfusion.cost_model import BYTES, Workload, get_profile, host_cpu, predict
+from xfuser_swiftfusion.cost_model import BYTES, HARDWARE_ENV, Workload, get_profile, host_cpu, predict
 from xfuser_swiftfusion.kernels import new_state
 from xfuser_swiftfusion.emulation.shm import PREFIX, SHM_DIR
 from xfuser_swiftfusion.emulation.launcher import run_emulated
@@ -421,8 +422,9 @@ def _rows(res: dict, strategies: list[str], pt: dict, reps: int, quick: bool) ->
     return rows
 
 
-def _predict(rows: list[dict], topo: Topology, link_mbit: float | None) -> None:
-    prof = get_profile("cpu-emulated", topo, link_mbit)
+def _predict(rows: list[dict], topo: Topology, link_mbit: float | None,
+             hardware: str = "cpu-emulated") -> None:
+    prof = get_profile(hardware, topo, link_mbit)
     for r in rows:
         if "latency_s" not in r or r["strategy"].startswith(DIFFUSERS):  # no model of diffusers'
             continue
@@ -482,9 +484,15 @@ def main() -> int:
     ap.add_argument("--diffusers", action="store_true",
                     help="add diffusers' ulysses / ring / unified rows (those valid per topology)")
     add_link_argument(ap)
+    ap.add_argument("--hardware", default="cpu-emulated", metavar="NAME|PATH",
+                    help="cost-model profile of the predictions and of auto's pick (a file: "
+                         f"from swiftfusion calibrate; sets ${HARDWARE_ENV})")
     ap.add_argument("--out", default=None,
                     help="result path; .json is added (default: benchmarks/results/layer-<time>)")
     a = ap.parse_args()
+    if a.hardware != "cpu-emulated":
+        get_profile(a.hardware)  # a bad name or file fails here, not in the ranks
+        os.environ[HARDWARE_ENV] = a.hardware  # auto's profile in every forked rank
     if a.reps < 5 and not a.quick:
         ap.error("--reps must be >= 5 (medians)")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -517,7 +525,7 @@ def main() -> int:
                            timeout_s=7200, link=link)[0]
         for r in res:  # other processes on the host: 1-min load average before / after
             r["loadavg_1m"] = [round(load0[0], 1), round(os.getloadavg()[0], 1)]
-        _predict(res, topo, a.link_mbit)
+        _predict(res, topo, a.link_mbit, a.hardware)
         rows += res
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
     md = markdown(rows, a.quick)

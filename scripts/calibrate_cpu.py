@@ -1,4 +1,10 @@
-"""Measure the CPU-emulation rates the cost model needs; write xfuser_swiftfusion/cpu_profile.json.
+"""Measure the CPU-emulation rates behind the built-in ``cpu-emulated`` profile; write
+xfuser_swiftfusion/cpu_profile.json (``hardware.cpu_profile`` converts it per world size and link).
+
+For one emulated cluster, ``swiftfusion calibrate --emulate NxM --link-mbit R`` measures every
+rate the cost model uses on that topology (per transfer kind, per core, the attention calls
+the schedules launch) into a profile file: the one to use for predictions there
+(docs/cost-model.md).
 
 Every quantity is measured with all W forked ranks doing the same thing at once (they share
 the host's cores, as in a benchmark), medians of ``--reps`` repetitions, for W in ``--worlds``:

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=24576,
                     help="global tokens of the modelled layer (divisible by every GPU count)")
-    ap.add_argument("--hardware", default="p4de", help="cost-model profile (default p4de)")
+    ap.add_argument("--hardware", default="p4de", metavar="NAME|PATH",
+                    help="cost-model profile: built in (default p4de) or a file from swiftfusion calibrate")
     args = ap.parse_args(argv)
     nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
     print(f"Torus schedule per model head count on N x {args.gpus_per_node} GPUs "

@@ -1,4 +1,6 @@
-"""Cost model: byte terms, monotonicity, ``plan --json`` fields, and ``auto`` end to end."""
+"""Cost model: byte and op counts of the programs, monotonicity, predictions that follow the
+strategies' step lists, ``plan --json`` fields, profile files, ``calibrate``, and ``auto`` end
+to end."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +17,13 @@ from xfuser_swiftfusion.cost_model import (GPU_PROFILES, Workload, candidates, i
                                            predict, recommend, ulysses_degrees)
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
+from xfuser_swiftfusion.strategies import get, ring, tas, torus
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
 STRATS = ("usp", "tas", "torus", "swiftfusion")
 P4DE = GPU_PROFILES["p4de"]
+real_tas, real_torus = tas.tas_schedule, torus.torus_schedule
 
 
 @pytest.mark.parametrize("nodes,gpus,heads", [(2, 8, 24), (4, 8, 24), (3, 8, 24), (4, 2, 12),
@@ -38,33 +42,51 @@ def test_byte_terms_equal_counted(nodes, gpus, heads):
             assert p.inter_node_bytes == max(counted) * 2
 
 
+def _faster(profile, kind: str, locality: str, factor: float):
+    """``profile`` with ``kind``'s bandwidth at ``locality`` times ``factor``."""
+    rates = {k: dict(v) for k, v in profile.transfers.items()}
+    rates[kind][locality] = dataclasses.replace(rates[kind][locality], bw=rates[kind][locality].bw * factor)
+    return dataclasses.replace(profile, transfers=rates)
+
+
+def _attention(profile, rate: float, by_keys: dict[int, float] | None = None):
+    """``profile`` whose kernel runs ``rate`` FLOP/s (times ``by_keys[Lk]`` at Lk keys) at every
+    head dim, without merge or call costs."""
+    pts = tuple((1024, lk, rate * f) for lk, f in (by_keys or {1024: 1.0}).items())
+    table = {dt: {D: pts for D in (32, 64, 128)} for dt in ("bf16", "fp32")}
+    return dataclasses.replace(profile, attention=table, merge_s_per_elem=0.0, attend_call_s=0.0)
+
+
 def test_more_bandwidth_is_not_slower():
     topo, w = Topology(4, 8), Workload(1, 66048 - 66048 % 32, 24, 128)
     for s in STRATS:
         base = predict(s, topo, w, P4DE).latency_s
-        for field in ("inter_bw", "one_sided_inter_bw", "intra_bw", "one_sided_intra_bw"):
-            fast = dataclasses.replace(P4DE, **{field: getattr(P4DE, field) * 4})
-            assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, field)
+        for kind in P4DE.transfers:
+            for locality in ("intra", "inter"):
+                fast = _faster(P4DE, kind, locality, 4)
+                assert predict(s, topo, w, fast).latency_s <= base * (1 + 1e-12), (s, kind, locality)
 
 
 def test_key_length_efficiency_scales_attention_time():
     """A profile whose kernel runs twice as fast on long key sets predicts half the attention
     FLOP time for a layer whose calls have long key sets (usp on 1x4 is Ulysses: all 32768
-    queries against all 32768 keys on H/4 heads), and none for 2048 keys (nearest entry: 1024)."""
+    queries against all 32768 keys on H/4 heads: beyond the last point, 16384 keys), and the
+    log-log interpolation's 2^(1/4) at 2048 keys (a quarter of the way from 1024 to 16384)."""
     topo, w = Topology(1, 4), Workload(1, 32768, 8, 64)
-    slow = dataclasses.replace(P4DE, attn_flops={"bf16": 1e12, "fp32": 1e11}, attend_overhead_s=0.0,
-                               merge_s_per_elem=0.0)
-    fast_long = dataclasses.replace(slow, key_len_efficiency={1024: 1.0, 16384: 2.0})
+    slow = _attention(P4DE, 1e12)
+    fast_long = _attention(P4DE, 1e12, {1024: 1.0, 16384: 2.0})
     base, fast = (predict("usp", topo, w, p).compute_s for p in (slow, fast_long))
-    assert fast == pytest.approx(base / 2, rel=1e-9)
-    short = Workload(1, 2048, 8, 64)  # 2048 keys: nearer 1024 on a log scale
-    assert predict("usp", topo, short, fast_long).compute_s == pytest.approx(
-        predict("usp", topo, short, slow).compute_s, rel=1e-9)
+    copies = base - 4 * 2 * 32768 * 32768 * 64 / 1e12   # the permute copies around the all-to-alls
+    assert fast - copies == pytest.approx((base - copies) / 2, rel=1e-9)
+    short = Workload(1, 2048, 8, 64)
+    flop = 4 * 2 * 2048 * 2048 * 64 / 1e12
+    gap = predict("usp", topo, short, slow).compute_s - predict("usp", topo, short, fast_long).compute_s
+    assert gap == pytest.approx(flop * (1 - 2 ** -0.25), rel=1e-9)
 
 
 def test_torus_overlap_beats_tas_when_compute_dominates():
     topo = Topology(4, 8)
-    slow_compute = dataclasses.replace(P4DE, attn_flops={"bf16": 20e12, "fp32": 2e12})
+    slow_compute = _attention(P4DE, 20e12)
     w = Workload(1, 131072, 24, 128)
     tas = predict("tas", topo, w, slow_compute)
     torus = predict("torus", topo, w, slow_compute)
@@ -140,3 +162,116 @@ def test_cpu_profile_warns_once_when_measured_on_another_cpu(tmp_path, caplog):
         cpu_profile(8, path=other)
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "Some Other CPU" in msgs[0] and "calibrate_cpu.py" in msgs[0]
+
+
+# --- the model runs the code's own schedules -----------------------------------------------
+
+def test_program_op_counts_equal_the_counted_ones():
+    """Each rank's program makes the calls ``ctx.stats()`` counts on a real run
+    (tests/test_op_counts.py pins those to formulas and checks them on emulated clusters)."""
+    from test_op_counts import CASES, expected
+    from xfuser_swiftfusion.strategies.ops import counts
+    for (topo, heads), tur in CASES.items():
+        t = Topology.parse(topo)
+        for s in ("tas", "torus", "swiftfusion"):
+            spec = get(s)
+            mesh = choose_mesh(t, heads, spec.placement)
+            w = Workload(1, 8 * t.world_size, heads, 8, "fp32")
+            for x, ops in enumerate(cost_model.programs(spec, mesh, w)):
+                assert counts(ops) == expected(s, *tur), (topo, heads, s, x)
+
+
+def _late_pulls(T, t, text):
+    """The Torus schedule with its pulls issued only after Pull-Q stage 1's attention."""
+    steps = real_torus(T, t, text)
+    issue = next(i for i, s in enumerate(steps) if s.kind == "issue")
+    first = next(i for i, s in enumerate(steps) if s.kind == "attend" and s.kv == t)
+    return steps[:issue] + steps[issue + 1:first + 1] + [steps[issue]] + steps[first + 1:]
+
+
+def test_prediction_follows_a_changed_schedule(monkeypatch):
+    """Editing a strategy's step list, and nothing else, changes its prediction: the Torus
+    pulls issued later (a link-bound layer waits longer), a ring without its fetches (no ring
+    bytes), ``tas`` with one all-to-all more."""
+    topo, w = Topology(4, 8), Workload(1, 98304, 24, 128)
+    slow = dataclasses.replace(P4DE, transfers={k: {loc: dataclasses.replace(r, bw=r.bw / 40)
+                                                    for loc, r in v.items()}
+                                                for k, v in P4DE.transfers.items()})
+    torus_s, tas_s = (predict(s, topo, w, slow).latency_s for s in ("torus", "tas"))
+    monkeypatch.setattr(torus, "torus_schedule", _late_pulls)
+    assert predict("torus", topo, w, slow).latency_s > torus_s * 1.01
+    monkeypatch.setattr(ring, "ring_schedule", lambda R: [ring.RingStep(i, False) for i in range(1, R + 1)])
+    assert predict("tas", topo, w, slow).latency_s < tas_s * 0.99
+    monkeypatch.undo()
+    monkeypatch.setattr(tas, "tas_schedule", lambda text: [tas.TasStep("all_to_all", "Q"), *real_tas(text)])
+    assert predict("tas", topo, w, slow).latency_s > tas_s * 1.01
+
+
+def _schedules_on_rank(which: str):
+    """tas on 1x2 with one head (U1 x R2: a ring of 2), its step list or its ring's edited."""
+    if which == "tas":   # no ring step: the states are never updated
+        tas.tas_schedule = lambda text: [s for s in real_tas(text) if s.kind != "ring"]
+    elif which == "ring":  # the ring stops after its first step: the peer's block is missed
+        ring.ring_schedule = lambda R: [ring.RingStep(1, False)]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(3))
+    S = 16 // world
+    mine = slice(rank * S, (rank + 1) * S)
+    ctx = sf.init_sequence_parallel("tas", 1, timeout_s=60)
+    try:
+        out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
+        return max_abs_err(out, rank_rows(q, k, v, rank, world))
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("which", ["none", "tas", "ring"])
+def test_strategies_execute_their_step_lists(which):
+    """The step lists the model times are the ones ``tas`` and its ring execute: an edited
+    list changes the output (the untouched one is exact)."""
+    err = max(run_emulated(_schedules_on_rank, "1x2", which, timeout_s=120))
+    assert (err < 1e-5) == (which == "none"), err
+
+
+# --- profiles -------------------------------------------------------------------------------
+
+def test_profile_file_round_trip_and_every_entry_point(tmp_path, monkeypatch, capsys):
+    """A profile file predicts what the profile it was written from predicts, and plan, auto
+    and the CLI's --hardware all take it."""
+    from xfuser_swiftfusion.hardware import get_profile, load_profile, save_profile
+    from xfuser_swiftfusion.strategies.auto import choose
+    path = tmp_path / "mine.json"
+    save_profile(dataclasses.replace(P4DE, name="mine"), path)
+    prof = load_profile(path)
+    topo, w = Topology(4, 8), Workload(1, 65536, 24, 64)
+    for s in STRATS:
+        assert predict(s, topo, w, prof).latency_s == predict(s, topo, w, P4DE).latency_s
+    assert get_profile(str(path)).name == "mine"
+    assert cli.main(["plan", "--nodes", "4", "--gpus-per-node", "8", "--heads", "24", "--seq-len",
+                     "65536", "--head-dim", "64", "--json", "--hardware", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["hardware"] == "mine"
+    monkeypatch.setenv("SWIFTFUSION_HARDWARE", str(path))
+    best, _, name = choose(topo, 24, torch.empty(1, 24, 65536 // 32, 64, dtype=torch.bfloat16))
+    assert name == "mine" and best == recommend(topo, w, prof, pad_heads=True)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli.main(["check", "--emulate", "1x2", "--hardware", str(bad)]) == 2
+    assert "swiftfusion calibrate" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_the_model_runs(tmp_path, capsys):
+    """``swiftfusion calibrate --emulate 2x2 --quick`` (loopback): every transfer kind within
+    and across machines, a table, and a file that plans."""
+    from xfuser_swiftfusion.hardware import KINDS, load_profile
+    out = tmp_path / "emu.json"
+    assert cli.main(["calibrate", "--emulate", "2x2", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    prof = load_profile(out)
+    assert prof.host_cores and prof.host_waits and not prof.two_sided_fifo
+    for kind in KINDS:
+        assert kind in text
+        assert prof.transfers[kind]["inter"].bw > 0 and prof.transfers[kind]["intra"].cpu_s_per_byte > 0
+    assert prof.measured["topology"] == "2x2"
+    p = predict("torus", Topology(2, 2), Workload(1, 4096, 8, 64), prof)
+    assert 0 < p.compute_s < p.latency_s

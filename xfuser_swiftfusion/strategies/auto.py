@@ -7,8 +7,9 @@ pick the same strategy without communicating. The chosen child strategy is built
 call (collective on every rank, as ``init_sequence_parallel`` is) and cached; children are
 shared between signatures that pick the same (strategy, degree).
 
-Hardware profile: ``cpu-emulated`` on CPU tensors; on CUDA ``$SWIFTFUSION_HARDWARE`` (default
-``p4de``). The model never predicts the choice slower than default ``usp``.
+Hardware profile: ``$SWIFTFUSION_HARDWARE``, a built-in profile's name or a profile file that
+``swiftfusion calibrate`` measured on this cluster; unset: ``cpu-emulated`` on CPU tensors,
+``p4de`` on CUDA. The model never predicts the choice slower than default ``usp``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..cost_model import Workload, candidates, get_profile, recommend
+from ..hardware import HARDWARE_ENV
 from ..log import get_logger, log_once
 from ..mesh import Mesh, choose_mesh
 from ..topology import Topology
@@ -28,13 +30,13 @@ from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get,
 
 logger = get_logger(__name__)
 
-HARDWARE_ENV = "SWIFTFUSION_HARDWARE"
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def hardware_profile_name(device: torch.device) -> str:
-    """``cpu-emulated`` for CPU tensors, else ``$SWIFTFUSION_HARDWARE`` or ``p4de``."""
-    return "cpu-emulated" if device.type == "cpu" else os.environ.get(HARDWARE_ENV, "p4de")
+    """``$SWIFTFUSION_HARDWARE`` (a profile name or file), else ``cpu-emulated`` for CPU
+    tensors and ``p4de`` for GPU ones."""
+    return os.environ.get(HARDWARE_ENV) or ("cpu-emulated" if device.type == "cpu" else "p4de")
 
 
 def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
@@ -123,5 +125,5 @@ class AutoAttention:
 
 SPEC = register(StrategySpec(
     "auto", "tas", "the strategy and Ulysses degree the cost model predicts fastest per shape",
-    build=AutoAttention, schedule=None, order=4, native=NATIVE))
+    build=AutoAttention, order=4, native=NATIVE))
 AutoAttention.spec = SPEC

@@ -66,10 +66,10 @@ class StrategySpec:
     """A strategy's description and builder.
 
     ``placement``: mesh placement (``"usp"``: Ulysses inside machines, ``"tas"``: across).
-    ``schedule``: what the cost model runs (``"ulysses-ring"``: blocking all-to-alls around a
-    ring that passes K/V step by step; ``"ulysses-gather"``: the same with the ring's K/V
-    all-gathered once, torch's default rotation in xFuser's USP; ``"torus-stages"``; None: not
-    modelled, ``auto``). ``ring``: K/V ring form for the byte model (``"pass"``/``"pull"``).
+    ``program``: ``(mesh, rank, shape) -> ops`` (``ops.py``), the calls one rank makes in one
+    layer, expanded from the step list the strategy executes: what the cost model's timeline
+    runs (None: not modelled, ``auto``). ``ring``: K/V ring form for the byte model
+    (``"pass"``/``"pull"``).
     ``one_sided``: moves data by put/get. ``needs_torus``: runs only where every ring group is
     inside one machine; elsewhere ``fallback`` runs. ``baseline``: what ``auto`` must never be
     predicted slower than. ``external_groups``: runs on groups built outside this package
@@ -82,7 +82,7 @@ class StrategySpec:
     placement: str
     summary: str
     build: Callable[[BuildArgs], Strategy] = field(repr=False, compare=False)
-    schedule: str | None = "ulysses-ring"
+    program: Callable[[Mesh, int, Any], list] | None = field(default=None, repr=False, compare=False)
     ring: str = "pass"
     one_sided: bool = False
     needs_torus: bool = False
@@ -185,7 +185,7 @@ def names() -> tuple[str, ...]:
 
 def modelled() -> list[StrategySpec]:
     """Specs the cost model predicts (every concrete strategy; not ``auto``)."""
-    return [s for s in specs() if s.schedule is not None]
+    return [s for s in specs() if s.program is not None]
 
 
 __all__ = ["BuildArgs", "NATIVE", "call_args", "ENTRY_POINT_GROUP", "Strategy", "StrategySpec", "get", "modelled",

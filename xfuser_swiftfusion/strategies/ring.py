@@ -12,15 +12,35 @@ to the K/V block of EVERY rank of the ring group; partial results are merged int
 Both keep two receive buffers per shape, reused across calls. K/V may have fewer heads than
 the queries (grouped-query attention, ``kernels.attend``). ``masks``, when given, maps the ring
 rank a block started on to the key masks of its slots (``[B, S]`` bool each, or None).
+
+The loop is data: ``ring_schedule(R)`` lists the steps both forms execute; ``ring_ops``
+expands them into the cost model's ops (``ops.py``) for either form.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from ..comm.base import Handle, OneSided, TwoSided
 from ..kernels import AttnState, attend
+from .ops import Attend, Program
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """Step ``i`` (1..R) of a ring: with ``fetch``, the block of step i + 1 starts to move
+    (``_fetch(i)``), then the current block (``origin(i)``) is attended, then the fetch is
+    waited for."""
+
+    i: int
+    fetch: bool
+
+
+def ring_schedule(R: int) -> list[RingStep]:
+    """The R steps of ring attention over a ring group of R ranks."""
+    return [RingStep(i, i < R) for i in range(1, R + 1)]
 
 
 def slots(*block: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,13 +79,13 @@ class _Ring:
         R = len(self.ranks)
         bufs = self.bufs.pair(block) if R > 1 else []
         cur = block
-        for i in range(1, R + 1):
-            if i < R:
-                nxt = bufs[i % 2]
-                handles = self._fetch(i, block, cur, nxt, what=f"{what}, ring step {i}/{R - 1}")
-            key_masks = None if masks is None else masks(self.origin(i))
+        for s in ring_schedule(R):
+            if s.fetch:
+                nxt = bufs[s.i % 2]
+                handles = self._fetch(s.i, block, cur, nxt, what=f"{what}, ring step {s.i}/{R - 1}")
+            key_masks = None if masks is None else masks(self.origin(s.i))
             attend(q_chunks, slots(*cur), states, scale=scale, key_masks=key_masks)
-            if i < R:
+            if s.fetch:
                 for h in handles:
                     h.wait()
                 cur = nxt
@@ -93,6 +113,15 @@ class PassRing(_Ring):
         return [self.comm.exchange([(c, nxt) for c in cur], [(d, prv) for d in dst],
                                    what=what, queue="ring")]
 
+    @staticmethod
+    def fetch_ops(prog: Program, ranks: tuple[int, ...], r: int, i: int,
+                  tensors: tuple[int, ...]) -> list[str]:
+        """``_fetch``'s transfer: one exchange of the block's tensors (bytes each)."""
+        R = len(ranks)
+        nxt, prv = ranks[(r + 1) % R], ranks[(r - 1) % R]
+        return [prog.transfer("exchange", "ring", [(nxt, b) for b in tensors],
+                              [(prv, b) for b in tensors])]
+
 
 class PullRing(_Ring):
     """One-sided: get ring rank ``r + i``'s own block (symmetric views; packed: one get)."""
@@ -106,3 +135,23 @@ class PullRing(_Ring):
         peer = self.ranks[(self.r + i) % len(self.ranks)]
         return [self.comm.get(d, s, peer, queue="ring", what=f"{what} (from rank {peer})")
                 for d, s in zip(dst, own)]
+
+    @staticmethod
+    def fetch_ops(prog: Program, ranks: tuple[int, ...], r: int, i: int,
+                  tensors: tuple[int, ...]) -> list[str]:
+        """``_fetch``'s transfers: one get per tensor of the block (bytes each)."""
+        peer = ranks[(r + i) % len(ranks)]
+        return [prog.transfer("get", "ring", recvs=[(peer, b)]) for b in tensors]
+
+
+def ring_ops(prog: Program, form: type[_Ring], ranks: tuple[int, ...], r: int,
+             q_rows: tuple[int, ...], kv_rows: tuple[int, ...], bh: int,
+             tensors: tuple[int, ...]) -> None:
+    """Append ring attention of query chunks ``q_rows`` against the blocks of the ring group
+    ``ranks`` (I am ring rank ``r``), each block K/V chunks of ``kv_rows`` moving as
+    ``tensors`` (bytes each: ``(K, V)``, or one packed K/V), over ``form`` (``PassRing`` or
+    ``PullRing``): the steps of ``ring_schedule``."""
+    for s in ring_schedule(len(ranks)):
+        handles = form.fetch_ops(prog, ranks, r, s.i, tensors) if s.fetch else []
+        prog.add(Attend(q_rows, kv_rows, bh))
+        prog.wait(*handles)

@@ -52,9 +52,10 @@ from ..groups import SPGroups
 from ..log import get_logger, log_once
 from . import fp8
 from .layout import Slots, split_heads
+from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
-from .ring import PullRing
-from .torus import TorusAttention
+from .ring import PullRing, ring_ops
+from .torus import TorusAttention, TorusOps, torus_ops
 
 logger = get_logger(__name__)
 
@@ -202,6 +203,47 @@ class OneSidedTorusIO:
         return self.Ob
 
 
+class OneSidedTorusOps(TorusOps):
+    """``OneSidedTorusIO``'s calls: puts and gets of single slots (K/V packed), ``PullRing``,
+    a barrier after the scatter and at the end, a ring-group sync per Pull-KV stage."""
+
+    def _everyone(self) -> tuple[int, ...]:
+        return tuple(range(self.mesh.world_size))
+
+    def stage_in(self) -> None:
+        T, U = self.T, self.U
+        self.prog.add(Copy(3 * (T - 1) * U * self.slot))  # slots other machines pull from me
+        for _ in "QKV":
+            for p, n in self.peers(self.t, self.slot):
+                self.prog.transfer("put", "other", sends=[(p, n)])
+        self.prog.add(Barrier(self._everyone()))
+
+    def _gets(self, kk: int, nbytes: int) -> list[str | None]:
+        return [self.prog.transfer("get", "other", recvs=[pn])
+                for pn in self.peers((self.t - kk) % self.T, nbytes)]
+
+    def issue_pulls(self) -> tuple[dict, dict]:
+        EQ = {kk: self._gets(kk, self.slot) for kk in range(1, self.T)}
+        EKV = {kk: self._gets(kk, 2 * self.slot) for kk in range(1, self.T)}
+        return EQ, EKV
+
+    def ring(self, q_rows: tuple[int, ...]) -> None:
+        U, S = self.U, self.shape.tokens
+        ring_ops(self.prog, PullRing, self.ring_ranks, self.r, q_rows, (S,) * U,
+                 self.shape.batch * self.h, (2 * U * self.slot,))
+
+    def barrier_ring(self) -> None:
+        if len(self.ring_ranks) > 1:
+            self.prog.add(Barrier(self.ring_ranks, quiet=False))
+
+    def push_o(self, kk: int) -> None:
+        for p, n in self.peers((self.t - kk) % self.T, self.oslot):
+            self.prog.transfer("put", "other", sends=[(p, n)])
+
+    def stage_out(self) -> None:
+        self.prog.add(Barrier(self._everyone()))
+
+
 def _nvshmem_missing_anywhere() -> list[int]:
     """Ranks without nvshmem4py (decided together: one rank alone falling back would hang)."""
     missing = [None] * dist.get_world_size()
@@ -228,5 +270,7 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
 
 SPEC = register(StrategySpec(
     "swiftfusion", "tas", "as torus, over one-sided put/get with the fused multi-chunk kernel",
-    build=build_swiftfusion, schedule="torus-stages", ring="pull", one_sided=True, needs_torus=True,
+    build=build_swiftfusion,
+    program=lambda mesh, rank, shape: torus_ops(OneSidedTorusOps(mesh, rank, shape)), ring="pull",
+    one_sided=True, needs_torus=True,
     fallback="tas", order=3, native=NATIVE))

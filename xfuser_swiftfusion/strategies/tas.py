@@ -16,18 +16,43 @@ FP8 communication (option ``fp8_comms``): in each all-to-all the slots for Ulyss
 other machines travel as ``fp8.py`` wire slots (one scale per slot and tensor, appended to
 its bytes), the slots within my machine in the compute dtype, all in the same one exchange.
 The ring (inside a machine on every Torus-ready mesh) stays in the compute dtype.
+
+The steps are data: ``tas_schedule(text)`` lists what ``TasAttention`` executes, and
+``tas_program`` expands the same list into the cost model's ops (``ops.py``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ..comm.base import TwoSided
 from ..groups import SPGroups
 from ..kernels import attend, new_state
+from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
+from .ops import Attend, Copy, Op, Program, Shape
 from .registry import NATIVE, StrategySpec, register
-from .ring import PassRing
+from .ring import PassRing, ring_ops
+
+
+@dataclass(frozen=True)
+class TasStep:
+    """One step of ``tas``: ``all_to_all`` of ``tensor`` (Q, K, V over my Ulysses group, O
+    back); ``init``: running states of the query chunks; ``attend_text``: the queries against
+    the text K/V; ``ring``: ring attention over my ring group; ``finalize``: outputs = acc / l."""
+
+    kind: Literal["all_to_all", "init", "attend_text", "ring", "finalize"]
+    tensor: str = ""
+
+
+def tas_schedule(text: bool) -> list[TasStep]:
+    """The steps of one ``tas`` layer (``text``: with joint tokens)."""
+    return [*(TasStep("all_to_all", n) for n in "QKV"), TasStep("init"),
+            *([TasStep("attend_text")] if text else []), TasStep("ring"), TasStep("finalize"),
+            TasStep("all_to_all", "O")]
 
 
 class TasAttention:
@@ -51,31 +76,41 @@ class TasAttention:
         S = q.shape[2]
         Tj = joint.length if joint is not None else 0
         k, v, joint = grouped_kv(k, v, joint, q.shape[1], G, "tas")
-        # Ulysses all-to-all: [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group);
-        # K/V [B, H_kv, S, D] -> [G, B, h_kv, S, D]
-        Q, K, V = (self._all_to_all(split_heads(x, G).contiguous(), f"Ulysses all-to-all {n}")
-                   for n, x in (("Q", q), ("K", k), ("V", v)))
-        q_chunks = list(Q.unbind(0))  # slot j: tokens of Ulysses rank j, head group g
-        if joint is not None:
-            jq, jk, jv = joint.head_group(g, G)
-            q_chunks.append(jq)
-        states = [new_state(c) for c in q_chunks]
-        if joint is not None:
-            attend(q_chunks, [(jk, jv)], states, scale=scale,
-                   key_masks=None if key_mask is None else [key_mask.text])
+        x = {"Q": q, "K": k, "V": v}
         masks = None
         if key_mask is not None and key_mask.tokens is not None:
             def masks(r: int) -> list[torch.Tensor | None]:  # slots of ring rank r's block
                 return [key_mask.chunk(self.mesh.rank_of_g(j, r)) for j in range(G)]
-        self.ring(q_chunks, states, K, V, scale=scale, what="Ring attention", masks=masks)
-        B, h, _, D = Q.shape[1:]
-        # G slots: image rows [B, h, S, D], then the (shared) text rows [B, h, Tj, D]
-        O = Slots.alloc(Q.new_empty, (G,), B, h, S, Tj, D)
-        attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True, out=list(O.rows.unbind(0)))
-        if joint is not None:
-            (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
-            O.text[:] = txt  # [B, h, Tj, D] broadcast into every slot
-        Ob = Slots.view(self._all_to_all(O.flat, "Ulysses all-to-all O"), B, h, S, Tj, D)
+        for s in tas_schedule(joint is not None):
+            match s.kind:
+                case "all_to_all" if s.tensor != "O":
+                    # [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group);
+                    # K/V [B, H_kv, S, D] -> [G, B, h_kv, S, D]
+                    x[s.tensor] = self._all_to_all(split_heads(x[s.tensor], G).contiguous(),
+                                                   f"Ulysses all-to-all {s.tensor}")
+                case "init":
+                    q_chunks = list(x["Q"].unbind(0))  # slot j: tokens of Ulysses rank j, head group g
+                    if joint is not None:
+                        jq, jk, jv = joint.head_group(g, G)
+                        q_chunks.append(jq)
+                    states = [new_state(c) for c in q_chunks]
+                case "attend_text":
+                    attend(q_chunks, [(jk, jv)], states, scale=scale,
+                           key_masks=None if key_mask is None else [key_mask.text])
+                case "ring":
+                    self.ring(q_chunks, states, x["K"], x["V"], scale=scale, what="Ring attention",
+                              masks=masks)
+                case "finalize":
+                    B, h, _, D = x["Q"].shape[1:]
+                    # G slots: image rows [B, h, S, D], then the (shared) text rows [B, h, Tj, D]
+                    O = Slots.alloc(x["Q"].new_empty, (G,), B, h, S, Tj, D)
+                    attend(q_chunks[:G], [], states[:G], scale=scale, finalize=True,
+                           out=list(O.rows.unbind(0)))
+                    if joint is not None:
+                        (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
+                        O.text[:] = txt  # [B, h, Tj, D] broadcast into every slot
+                case "all_to_all":
+                    Ob = Slots.view(self._all_to_all(O.flat, "Ulysses all-to-all O"), B, h, S, Tj, D)
         return gather_output(Ob, joint)  # G slots -> [B, H, S + Tj, D]
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -106,9 +141,41 @@ class TasAttention:
         """Nothing besides the communicator."""
 
 
+def tas_program(mesh: Mesh, rank: int, shape: Shape) -> list[Op]:
+    """The ops of ``tas_schedule`` on ``rank`` (``TasAttention`` over ``P2PCommunicator``)."""
+    G, R = mesh.ulysses, mesh.ring
+    g, r = mesh.g_r_of(rank)
+    uly, ring = mesh.ulysses_groups[r], mesh.ring_groups[g]
+    h, S, Tj = shape.heads // G, shape.tokens, shape.text
+    bh, slot = shape.batch * h, shape.nbytes(h, S)
+    q_rows = (S,) * G + ((Tj,) if Tj else ())
+    prog = Program(rank)
+    for s in tas_schedule(bool(Tj)):
+        match s.kind:
+            case "all_to_all":
+                n = shape.nbytes(h, S + Tj) if s.tensor == "O" else slot
+                if s.tensor != "O":
+                    prog.add(Copy(G * slot))  # split_heads(...).contiguous()
+                prog.wait(prog.transfer("exchange", "other", [(p, n) for p in uly],
+                                        [(p, n) for p in uly]))
+            case "init":
+                prog.add(*(Copy(shape.state_bytes(h, n)) for n in q_rows))
+            case "attend_text":
+                prog.add(Attend(q_rows, (Tj,), bh))
+            case "ring":
+                ring_ops(prog, PassRing, ring, ring.index(rank), q_rows, (S,) * G, bh,
+                         (G * slot, G * slot))
+            case "finalize":
+                prog.add(Attend((S,) * G, (), bh, finalize=True))
+                if Tj:
+                    prog.add(Attend((Tj,), (), bh, finalize=True))
+    prog.add(Copy(G * shape.nbytes(h, S + Tj)))  # gather_output
+    return prog.ops
+
+
 SPEC = register(StrategySpec(
     "tas", "tas", "Ulysses across machines, Ring inside; all-to-all + two-sided ring, no overlap",
     build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank, fp8.enabled(a.options)),
-    order=1, native=NATIVE))
+    program=tas_program, order=1, native=NATIVE))
 TasAttention.spec = SPEC
 

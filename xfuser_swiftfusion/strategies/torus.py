@@ -37,6 +37,8 @@ are the same as without it.
 ``TorusAttention`` runs the steps over a transport with the operations of ``TorusIO``;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
 isend/irecv, ``OneSidedTorusIO`` (``swiftfusion.py``) with put/get on a symmetric heap.
+``torus_ops`` walks the same ``torus_schedule`` for the cost model, each transport's calls
+written as ops beside it (``TwoSidedTorusOps``, ``OneSidedTorusOps``).
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ from ..kernels import AttnState, attend, new_state
 from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
+from .ops import Attend, Copy, Op, Program, Shape
 from .registry import NATIVE, StrategySpec, register
-from .ring import PassRing
+from .ring import PassRing, ring_ops
 
 TEXT = "text"
 """The text entry: queries ``[B, h, Tj, D]`` and K/V ``[B, h, Tj, D]`` of my head group."""
@@ -355,6 +358,96 @@ class TwoSidedTorusIO:
         return self.Ob
 
 
+class TorusOps:
+    """The calls of a Torus transport as ops (``ops.py``), on GPU ``rank`` = (t, u, r) for a
+    layer of ``shape``: what ``torus_ops`` needs of a transport, mirroring ``TorusIO``."""
+
+    def __init__(self, mesh: Mesh, rank: int, shape: Shape) -> None:
+        self.mesh, self.shape, self.rank = mesh, shape, rank
+        self.prog = Program(rank)
+        self.t, self.u, self.r = mesh.coords(rank)
+        self.T, self.U = mesh.torus, mesh.ulysses_intra
+        self.h = shape.heads // (self.T * self.U)
+        self.slot = shape.nbytes(self.h, shape.tokens)                 # [B, h, S, D]
+        self.oslot = shape.nbytes(self.h, shape.tokens + shape.text)   # an output slot
+        self.ring_ranks = mesh.ring_groups[self.t * self.U + self.u]
+
+    def peer(self, a: int, b: int) -> int:
+        return self.mesh.rank_of(a, b, self.r)
+
+    def peers(self, a: int, nbytes: int) -> list[tuple[int, int]]:
+        """``nbytes`` with each GPU (a, b, r) of machine ``a``."""
+        return [(self.peer(a, b), nbytes) for b in range(self.U)]
+
+
+class TwoSidedTorusOps(TorusOps):
+    """``TwoSidedTorusIO``'s calls: one exchange per tensor and stage, ``PassRing``."""
+
+    def stage_in(self) -> None:
+        T, U = self.T, self.U
+        self.prog.add(Copy(3 * T * U * self.slot))  # split_heads(...).contiguous() of Q, K, V
+        self.prog.wait(*(self._exchange(0, self.slot) for _ in "QKV"))
+        self.pending: list[str | None] = []
+
+    def _exchange(self, kk: int, nbytes: int) -> str | None:
+        tn, tp = (self.t + kk) % self.T, (self.t - kk) % self.T
+        return self.prog.transfer("exchange", "other", self.peers(tn, nbytes), self.peers(tp, nbytes))
+
+    def issue_pulls(self) -> tuple[dict, dict]:
+        EQ = {kk: [self._exchange(kk, self.slot)] for kk in range(1, self.T)}
+        EKV = {kk: [self._exchange(kk, self.slot), self._exchange(kk, self.slot)]
+               for kk in range(1, self.T)}
+        return EQ, EKV
+
+    def ring(self, q_rows: tuple[int, ...]) -> None:
+        U, S = self.U, self.shape.tokens
+        ring_ops(self.prog, PassRing, self.ring_ranks, self.r, q_rows, (S,) * U,
+                 self.shape.batch * self.h, (U * self.slot, U * self.slot))
+
+    def barrier_ring(self) -> None:
+        """Two-sided rings synchronise through their own sends and receives."""
+
+    def push_o(self, kk: int) -> None:
+        self.pending.append(self._exchange(-kk, self.oslot))
+
+    def stage_out(self) -> None:
+        self.prog.wait(*self.pending)
+
+
+def torus_ops(io: TorusOps) -> list[Op]:
+    """The ops of one Torus layer on ``io``'s rank: steps 1-2, ``torus_schedule``'s steps
+    3-7 over ``io``, step 8."""
+    T, U, S, Tj = io.T, io.U, io.shape.tokens, io.shape.text
+    prog, bh = io.prog, io.shape.batch * io.h
+    rows: dict[Entry, tuple[int, ...]] = {a: (S,) * U for a in range(T)} | {TEXT: (Tj,)}
+    io.stage_in()
+    for s in torus_schedule(T, io.t, Tj > 0):
+        match s.kind:
+            case "issue":
+                EQ, EKV = io.issue_pulls()
+            case "init":
+                prog.add(*(Copy(io.shape.state_bytes(io.h, n)) for e in s.q for n in rows[e]))
+            case "wait_q":
+                prog.wait(*EQ[s.k])
+            case "wait_kv":
+                prog.wait(*EKV[s.k])
+            case "barrier_ring":
+                io.barrier_ring()
+            case "attend":
+                q_rows = tuple(n for e in s.q for n in rows[e])
+                if s.kv == TEXT:
+                    prog.add(Attend(q_rows, (Tj,), bh))
+                else:
+                    io.ring(q_rows)
+            case "finalize":
+                prog.add(Attend(rows[s.q[0]], (), bh, finalize=True))
+            case "push":
+                io.push_o(s.k)
+    io.stage_out()
+    prog.add(Copy(T * U * io.oslot))  # gather_output
+    return prog.ops
+
+
 def build_torus(a) -> TorusAttention:
     two = a.two_sided()
     io = TwoSidedTorusIO(a.groups, two, a.rank, fp8.enabled(a.options))
@@ -363,5 +456,6 @@ def build_torus(a) -> TorusAttention:
 
 SPEC = register(StrategySpec(
     "torus", "tas", "as tas, the inter-machine all-to-all in Torus stages over isend/irecv, "
-    "overlapped with attention", build=build_torus, schedule="torus-stages", needs_torus=True,
+    "overlapped with attention", build=build_torus,
+    program=lambda mesh, rank, shape: torus_ops(TwoSidedTorusOps(mesh, rank, shape)), needs_torus=True,
     fallback="tas", order=2, native=NATIVE))

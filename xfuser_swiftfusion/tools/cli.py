@@ -1,6 +1,9 @@
-"""The ``swiftfusion`` command: ``plan``, ``check``, ``compare`` and ``compare-diffusers``.
+"""The ``swiftfusion`` command: ``plan``, ``calibrate``, ``check``, ``compare`` and
+``compare-diffusers``.
 
 - ``swiftfusion plan``: mesh and inter-machine bytes of every strategy on a cluster shape.
+- ``swiftfusion calibrate``: this cluster's rates, measured, as a hardware profile file
+  (``calibrate.py``) for ``--hardware PATH`` / ``SWIFTFUSION_HARDWARE=PATH``.
 - ``swiftfusion check``: every strategy against single-device attention, on the current
   world (under torchrun) or on an emulated ``--emulate NxM`` cluster of CPU processes.
 - ``swiftfusion compare``: a model under every strategy through xFuser (``compare.py``).
@@ -18,11 +21,13 @@ from dataclasses import asdict
 import torch
 
 from ..distributed import init_distributed_from_env
+from ..hardware import HARDWARE_ENV
 from ..emulation.netns import add_link_argument, link_from_args
 from ..kernels import BACKENDS
 from ..mesh import (choose_mesh, counted_inter_node_elements, paper_inter_node_elements_per_machine,
                     torus_mesh)
-from ..strategies import names, specs
+from ..strategies import names
+from ..strategies.registry import modelled
 from ..topology import Topology, TopologyError
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -34,14 +39,14 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     """Per strategy, as ``init_sequence_parallel`` runs it at the default degree: the
     strategy that runs, its heads (``heads`` > H: zero-padded for the Torus schedule, unless
     ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
-    attention layer on ``hardware``; ``"recommended"``: the (strategy, degrees) ``auto`` would
-    pick."""
+    attention layer on ``hardware`` (a built-in profile's name or a profile file);
+    ``"recommended"``: the (strategy, degrees) ``auto`` would pick."""
     from ..cost_model import Workload, get_profile, predict, recommend
     topo = Topology(nodes, gpus_per_node)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
     profile = get_profile(hardware, topo)
     out = {}
-    for spec in (s for s in specs() if s.schedule is not None):
+    for spec in modelled():
         name = spec.name
         mesh, h = (torus_mesh(topo, heads, spec.placement, pad=pad_heads) if spec.needs_torus
                    else (choose_mesh(topo, heads, spec.placement), heads))
@@ -153,15 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swiftfusion", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    # flags of the subcommands that run strategies on a cluster (real or emulated)
-    cluster = argparse.ArgumentParser(add_help=False)
-    cluster.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
-    add_link_argument(cluster)
-    cluster.add_argument("--topology", metavar="NxM",
-                         help="override detected machines x GPUs (torchrun)")
+    # flags of the subcommands that run on a cluster (real or emulated)
+    ranks = argparse.ArgumentParser(add_help=False)
+    ranks.add_argument("--emulate", metavar="NxM", help="run on N*M forked CPU ranks (gloo)")
+    add_link_argument(ranks)
+    ranks.add_argument("--topology", metavar="NxM",
+                       help="override detected machines x GPUs (torchrun)")
+    # ... and run strategies there (auto picks with the --hardware profile)
+    cluster = argparse.ArgumentParser(add_help=False, parents=[ranks])
     cluster.add_argument("--strategies", default=None,
                          help="comma-separated (default: every strategy)")
     cluster.add_argument("--seed", type=int, default=0)
+    cluster.add_argument("--hardware", default=None, metavar="NAME|PATH",
+                         help=f"auto's cost-model profile: a built-in one or a file written by "
+                              f"swiftfusion calibrate (sets ${HARDWARE_ENV})")
 
     pl = sub.add_parser("plan", help="mesh and inter-machine bytes per strategy")
     pl.add_argument("--nodes", type=int, required=True)
@@ -172,11 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=1)
     pl.add_argument("--dtype", choices=sorted(BYTES), default="bf16")
     pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
-    pl.add_argument("--hardware", default="p4de", help="cost-model profile: p4de, p5, h100-ndr, "
-                    "cpu-emulated (default p4de)")
+    pl.add_argument("--hardware", default=os.environ.get(HARDWARE_ENV, "p4de"), metavar="NAME|PATH",
+                    help="cost-model profile: p4de, p5, h100-ndr, cpu-emulated, or a file written "
+                         f"by swiftfusion calibrate (default ${HARDWARE_ENV}, else p4de)")
     pl.add_argument("--no-pad-heads", dest="pad_heads", action="store_false",
                     help="torus/swiftfusion: the fallback where the default mesh does not fit the "
                          "machines, instead of zero-padded heads (options={'pad_heads': False})")
+
+    from .calibrate import add_arguments as add_calibrate_arguments
+    add_calibrate_arguments(sub.add_parser(
+        "calibrate", parents=[ranks],
+        help="measure this cluster's transfer, barrier, attention and host rates; write a "
+             "hardware profile for --hardware / $" + HARDWARE_ENV))
 
     ck = sub.add_parser("check", parents=[cluster],
                         help="validate every strategy against single-device attention")
@@ -226,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
     had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
+        if getattr(args, "hardware", None) and args.cmd != "plan":
+            from ..hardware import get_profile
+            get_profile(args.hardware)  # refuse a bad name or file before any rank starts
+            os.environ[HARDWARE_ENV] = args.hardware  # auto reads it on every rank (forked or not)
+        if args.cmd == "calibrate":
+            from .calibrate import cmd_calibrate
+            return cmd_calibrate(args)
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
                      args.batch, args.dtype, args.hardware, args.pad_heads)

@@ -4,6 +4,13 @@ Registered through the entry point ``xfuser_swiftfusion.strategies:usp``. It hol
 original ``USP`` function it was given (``BuildArgs.options["xfuser_usp"]``; else xFuser's,
 unrouted) and runs it on xFuser's groups: built here from our ``SPGroups`` with the ``usp``
 placement when they do not exist (and torn down at close), or checked to have its degrees.
+
+``usp_program`` lists, for the cost model, the calls xFuser 0.7.0's ``USP`` makes (its code,
+not ours, executes them): three blocking ``all_to_all_single`` (Q, K, V) over the Ulysses
+group, torch's ``_templated_ring_attention`` with its default rotation (K and V concatenated,
+all-gathered once over the ring group: issued before step 1's attention, waited before step
+2's), one attention call per ring step, and the output ``all_to_all_single``; each
+all-to-all with its permute copies before and after.
 """
 from __future__ import annotations
 
@@ -14,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ...comm import PeerFailure
+from ...mesh import Mesh
 from ...topology import TopologyError
 from ...strategies.layout import Joint
+from ...strategies.ops import Attend, Copy, Op, Program, Shape
 from ...strategies.registry import BuildArgs, StrategySpec
 from . import state
 
@@ -62,7 +71,40 @@ class UspStrategy:
             state.destroy_xfuser_parallel()
 
 
+def usp_program(mesh: Mesh, rank: int, shape: Shape) -> list[Op]:
+    """The calls of xFuser's USP on ``rank`` (module docstring); text tokens not modelled."""
+    G, R = mesh.ulysses, mesh.ring
+    g, r = mesh.g_r_of(rank)
+    uly, ring = mesh.ulysses_groups[r], mesh.ring_groups[g]
+    X = shape.nbytes(shape.heads, shape.tokens)  # one tensor on one rank, before and after
+    bh, rows = shape.batch * shape.heads // G, G * shape.tokens
+    prog = Program(rank)
+
+    def all_to_all() -> None:
+        prog.add(Copy(X))  # permute(...).contiguous()
+        prog.wait(prog.transfer("all_to_all", "other", [(p, X // G) for p in uly],
+                                [(p, X // G) for p in uly]))
+        prog.add(Copy(X))  # reshape/permute back
+
+    if G > 1:
+        for _ in "QKV":
+            all_to_all()
+    gathered = None
+    i = ring.index(rank)
+    for step in range(R):
+        if step == 0 and R > 1:
+            prog.add(Copy(2 * X))  # torch.cat([key.flatten(), value.flatten()])
+            gathered = prog.transfer("all_gather", "other", [(ring[(i + 1) % R], 2 * X * (R - 1))],
+                                     [(ring[(i - 1) % R], 2 * X * (R - 1))])
+        if step == 1:
+            prog.wait(gathered)
+        prog.add(Attend((rows,), (rows,), bh, finalize=step == R - 1))
+    if G > 1:
+        all_to_all()
+    return prog.ops
+
+
 SPEC = StrategySpec(
     "usp", "usp", "xFuser's own USP, untouched (Ulysses inside machines, Ring across)",
-    build=UspStrategy, schedule="ulysses-gather", baseline=True, external_groups=True, order=0)
+    build=UspStrategy, program=usp_program, baseline=True, external_groups=True, order=0)
 UspStrategy.spec = SPEC
