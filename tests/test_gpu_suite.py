@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,8 +31,11 @@ def test_suite_on_cpu_writes_the_table_rows_and_log(tmp_path, capsys):
     numerics = [r for r in rows if r.stage == "numerics"]
     assert len(numerics) == 4 and all(r.result == "PASS" for r in numerics)
     assert all(r.data["worst"]["backend"] == "triton" for r in numerics)
-    speed = [r for r in rows if r.stage == "speed"]  # CPU stand-ins of the launches
-    assert len(speed) == 4 and all(r.result == "INFO" and r.data["stand_in"] for r in speed)
+    speed = [r for r in rows if r.stage == "speed" and r.result == "INFO"]  # CPU stand-ins
+    assert len(speed) == 4 and all(r.data["stand_in"] for r in speed)
+    skipped = {r.case for r in rows if r.stage == "speed" and r.result == "SKIP"}
+    assert skipped == {f"{b} D{d} bf16" for b in ("triton", "cudnn", "torch-flash", "flash-attn")
+                       for d in (64, 128)}
     assert {(r.stage, r.result) for r in rows if r.stage == "nvshmem"} == {("nvshmem", "SKIP")}
     table_doc = json.loads((out / "kernel-table.json").read_text())
     assert set(table_doc["archs"]["cpu"]) == {"128/bf16", "64/bf16"}
@@ -488,3 +492,82 @@ def test_replay_stage_rows_on_cpu(tmp_path, monkeypatch):
     assert [r.case.split(": ")[-1] for r in rows] == ["cpu", "USP-equivalent single kernel"]
     assert rows[0].data["attend_calls"] > 0 and rows[0].data["stand_in"]
     assert "x the single kernel" in rows[1].figure
+
+
+# -- the dry run's look-alike: a CUDA build of torch on a machine without a GPU ----------------
+
+def test_xfuser_on_a_cuda_build_of_torch_without_a_gpu_runs_as_on_cpu(monkeypatch):
+    """torch 2.11.0+cu130 without a driver (the dry run's look-alike): xFuser's envs say CUDA
+    (``torch.version.cuda`` is set) and its runtime state picks cuDNN (``cudnn.is_available()``);
+    the compatibility layer makes both what a CPU build of torch gives."""
+    from types import ModuleType, SimpleNamespace
+
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+
+    from xfuser_swiftfusion.integrations.xfuser import compat
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    envs = ModuleType("fake_envs")
+    envs._is_cuda = lambda: True  # torch.version.cuda is "13.0"
+    compat.patch_envs_cuda_build_without_gpu(envs)
+    assert envs._is_cuda() is False
+
+    class RuntimeState:
+        def _select_attention_backend(self, engine_config=None):
+            return AttentionBackendType.CUDNN  # torch.backends.cudnn.is_available()
+
+    rs = ModuleType("fake_runtime_state")
+    rs.RuntimeState, rs.AttentionBackendType = RuntimeState, AttentionBackendType
+    compat.patch_runtime_state_backend_selection(rs)
+    assert RuntimeState()._select_attention_backend() == AttentionBackendType.SDPA_FLASH
+    asked = SimpleNamespace(runtime_config=SimpleNamespace(attention_backend="CUDNN"))
+    assert RuntimeState()._select_attention_backend(asked) == AttentionBackendType.CUDNN
+
+
+# -- the GPU command (docs/gpu-suite.md) ---------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpu_command() -> str:
+    """The block ``scripts/gpu_image_dryrun.sh`` runs: the fenced block after the marker."""
+    text = open(os.path.join(REPO, "docs", "gpu-suite.md")).read()
+    after = text[text.index("<!-- gpu-command:"):]
+    block = after[after.index("```bash\n") + len("```bash\n"):]
+    return block[:block.index("```")].rstrip("\n")
+
+
+def test_the_gpu_command_fits_the_device_tool():
+    """The static parts the dry run relies on: under 2,000 characters; the wheels installed with
+    --no-index --no-deps --target; the carried cuda-core only where nvshmem.core needs it; the
+    NVSHMEM smoke test first, bounded, removing nvshmem4py when it fails; a suite budget ending
+    40 s inside the 540 s limit; at most 8 files back, 1 folder down."""
+    from xfuser_swiftfusion.tools.gpu_suite import FILES
+    cmd = gpu_command()
+    assert 0 < len(cmd) < 2000
+    assert "--no-index --no-deps --no-compile --no-cache-dir --target" in cmd
+    assert "python3 -c 'import nvshmem.core' 2>>$L || export PYTHONPATH=$S:$C" in cmd
+    smoke = cmd.index("nvshmem-smoke")
+    assert cmd.index("timeout -k 5 75") < smoke < cmd.index("rm -rf $S/nvshmem $S/nvshmem4py*")
+    assert smoke < cmd.index("--gpu-suite") and "--budget $((500-SECONDS))" in cmd
+    outputs = set(re.findall(r"\$OUT/[\w./-]*", cmd))
+    assert outputs == {"$OUT/setup.log", "$OUT/suite"}
+    assert len(FILES) + 1 <= 8  # the suite's files under $OUT/suite, and setup.log
+    assert subprocess.run(["bash", "-n", "-c", cmd]).returncode == 0
+    for script in ("gpu_image_dryrun.sh", "gpu_wheelhouse.sh"):
+        assert subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", script)]).returncode == 0
+
+
+def test_a_backend_that_raises_in_speed_costs_its_figures_only(tmp_path, monkeypatch):
+    real = kernel._kernel_fn
+
+    def kernel_fn(name, qs, kvs, scale):
+        if len(qs) > 4:
+            raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+        return real(name, qs, kvs, scale)
+
+    monkeypatch.setattr(kernel, "_kernel_fn", kernel_fn)
+    monkeypatch.setattr(kernel, "CPU_MODELS", kernel.CPU_MODELS[1:])
+    kernel.speed(RowWriter(str(tmp_path / "r.jsonl"), "speed"), torch.device("cpu"), quick=True)
+    rows = [r for r in read_rows(str(tmp_path / "r.jsonl")) if r.result != "SKIP"]
+    assert [r.result for r in rows] == ["INFO", "FAIL"]  # 4Q x 4KV measured; 16Q x 4KV failed
+    assert "no valid execution plans" in rows[1].figure

@@ -143,7 +143,11 @@ def _passes(result: dict, tol: float) -> bool:
 
 def _numerics_row(w: RowWriter, case: str, device: torch.device, D: int, dtype: torch.dtype,
                   finalize: bool, seeds: range, longest: int) -> None:
-    results = [numerics_case(device, D, dtype, finalize, s, longest) for s in seeds]
+    try:
+        results = [numerics_case(device, D, dtype, finalize, s, longest) for s in seeds]
+    except Exception as exc:  # noqa: BLE001  (a backend's error is this row's failure)
+        w.add(case, "FAIL", f"{type(exc).__name__}: {exc}"[:400])
+        return
     worst = max(results, key=lambda r: max(r["err"], r["lse_err"]))
     tol = TOLERANCE[dtype]
     ok = all(_passes(r, tol) for r in results)
@@ -287,19 +291,23 @@ def run_launch(launch: Launch, dtype: torch.dtype, device: torch.device, repeat:
 
 # the backends a layer can run, as the speed and replay stages name them
 GPU_BACKENDS = ("triton", "cudnn", "torch", "flash")
-CPU_BACKENDS = ("cpu",)  # stand-ins; the interpreter (numerics) would take minutes here
 LABELS = {"torch": "torch-flash", "flash": "flash-attn"}
+CPU_TRITON = ("CPU stand-ins: the triton interpreter would take minutes on these launches "
+              "(the numerics stage runs it)")
 
 
 def runnable(w: RowWriter | None, device: torch.device, D: int, dtype: torch.dtype) -> list[str]:
-    """The backends of ``attend`` that can run (``D``, ``dtype``) here; a SKIP row (into ``w``)
-    names why each other one cannot."""
+    """The backends of ``attend`` that the speed and replay stages run for (``D``, ``dtype``)
+    here (on CPU: the ``cpu`` stand-in); a SKIP row (into ``w``) names why each GPU backend
+    does not run."""
     names = []
-    for name in (GPU_BACKENDS if device.type == "cuda" else CPU_BACKENDS):
+    for name in (*GPU_BACKENDS, "cpu"):
         why = cannot_run(name, device, D, dtype)
+        if why is None and name == "triton" and device.type != "cuda":
+            why = CPU_TRITON
         if why is None:
             names.append(name)
-        elif w is not None:
+        elif w is not None and name != "cpu":
             w.add(f"{LABELS.get(name, name)} D{D} {DTYPE_NAMES[dtype]}", "SKIP", why)
     return names
 
@@ -343,13 +351,21 @@ def measure_launch(launch: Launch, names: list[str], dtype: torch.dtype, device:
     qs, kvs = _inputs(launch, dtype, device)
     states = [new_state(q) for q in qs]
     scale = launch.head_dim ** -0.5
-    got: dict[str, dict] = {"attend": {}, "kernel": {}, "kernel_how": {}, "single": {}}
+    got: dict[str, dict] = {"attend": {}, "kernel": {}, "kernel_how": {}, "single": {}, "errors": {}}
     for name in names:
-        with backend(name):
-            got["attend"][name] = call_ms(lambda: attend(qs, kvs, states, scale=scale), device, quick)
-        got["kernel"][name], got["kernel_how"][name] = kernel_ms(_kernel_fn(name, qs, kvs, scale), device, quick)
-        if name in ("cudnn", "torch", "cpu"):
-            got["single"][name] = kernel_ms(_single_call(name, qs, kvs, scale), device, quick)[0]
+        try:
+            with backend(name):
+                ms = call_ms(lambda: attend(qs, kvs, states, scale=scale), device, quick)
+            kernel = kernel_ms(_kernel_fn(name, qs, kvs, scale), device, quick)
+            single = (kernel_ms(_single_call(name, qs, kvs, scale), device, quick)[0]
+                      if name in ("cudnn", "torch", "cpu") else None)
+        except Exception as exc:  # noqa: BLE001  (one backend's error costs its figures only)
+            got["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        got["attend"][name] = ms
+        got["kernel"][name], got["kernel_how"][name] = kernel
+        if single is not None:
+            got["single"][name] = single
     return got
 
 
@@ -374,6 +390,10 @@ def speed(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         names = seen[model.head_dim]
         for launch in torus_launches(model):
             got = measure_launch(launch, names, dtype, device, quick)
+            for name, error in got["errors"].items():
+                w.add(f"{launch.name}: {LABELS.get(name, name)}", "FAIL", error)
+            if not got["attend"]:
+                continue
             tf = {n: launch.flops / (ms * 1e-3) / 1e12 for n, ms in got["kernel"].items()}
             best = min(got["attend"], key=got["attend"].get)
             label = lambda n: LABELS.get(n, n)  # noqa: E731

@@ -237,6 +237,16 @@ def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str]:
     return ms, "captured"
 
 
+def _one_layer(r: ReplayLayer) -> dict[str, int]:
+    """Run the layer once: its attend calls, copies and transfer bytes."""
+    calls0, copies0 = attend_calls(), r.comm.copies
+    r.comm.counter.reset()
+    r()
+    return {"attend_calls": attend_calls() - calls0, "copies": r.comm.copies - copies0,
+            "inter_node_bytes": r.comm.counter.inter_node_bytes,
+            "intra_node_bytes": r.comm.counter.intra_node_bytes}
+
+
 def _label(name: str) -> str:
     return LABELS.get(name, name)
 
@@ -253,15 +263,14 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         where = f"{model.name} rank 0 of 4x8 ({r.mesh.describe()})"
         layer_gpu: dict[str, float] = {}
         for name in names:
-            with backend(name):
-                calls0, copies0 = attend_calls(), r.comm.copies
-                r.comm.counter.reset()
-                r()
-                per_layer = {"attend_calls": attend_calls() - calls0, "copies": r.comm.copies - copies0,
-                             "inter_node_bytes": r.comm.counter.inter_node_bytes,
-                             "intra_node_bytes": r.comm.counter.intra_node_bytes}
-                host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
-                graph_ms, graph_how = _graph_ms(r, quick) if cuda else (None, "CPU: no CUDA graphs")
+            try:
+                with backend(name):
+                    per_layer = _one_layer(r)
+                    host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
+                    graph_ms, graph_how = _graph_ms(r, quick) if cuda else (None, "CPU: no CUDA graphs")
+            except Exception as exc:  # noqa: BLE001  (one backend's error costs its row only)
+                w.add(f"{where}: {_label(name)}", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
+                continue
             layer_gpu[name] = gpu
             bound = ("host-bound: the host issues the layer slower than the GPU runs it"
                      if host > gpu else "GPU-bound")
@@ -277,7 +286,11 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
                   stand_in=not cuda, **per_layer)
         single = {}
         for name in [n for n in ("cudnn", "torch", "cpu") if n in names]:
-            single[name] = kernel_ms(usp_single_kernel(r, name), device, quick)[0]
+            try:
+                single[name] = kernel_ms(usp_single_kernel(r, name), device, quick)[0]
+            except Exception as exc:  # noqa: BLE001
+                w.add(f"{where}: USP-equivalent single kernel, {_label(name)}", "FAIL",
+                      f"{type(exc).__name__}: {exc}"[:400])
         if single and layer_gpu:
             best = min(layer_gpu, key=layer_gpu.get)
             floor = min(single.values())
