@@ -544,6 +544,8 @@ def test_the_gpu_command_fits_the_device_tool():
     from xfuser_swiftfusion.tools.gpu_suite import FILES
     cmd = gpu_command()
     assert 0 < len(cmd) < 2000
+    stated = re.search(r"this command \((\d+)\s", open(os.path.join(REPO, "docs", "gpu-suite.md")).read())
+    assert stated and int(stated.group(1)) == len(cmd), "docs/gpu-suite.md states another length"
     assert "--no-index --no-deps --no-compile --no-cache-dir --target" in cmd
     assert "python3 -c 'import nvshmem.core' 2>>$L || export PYTHONPATH=$S:$C" in cmd
     smoke = cmd.index("nvshmem-smoke")
@@ -571,3 +573,57 @@ def test_a_backend_that_raises_in_speed_costs_its_figures_only(tmp_path, monkeyp
     rows = [r for r in read_rows(str(tmp_path / "r.jsonl")) if r.result != "SKIP"]
     assert [r.result for r in rows] == ["INFO", "FAIL"]  # 4Q x 4KV measured; 16Q x 4KV failed
     assert "no valid execution plans" in rows[1].figure
+
+
+class _FakeGPU:
+    """``torch.cuda``'s events and sleep kernel over a clock: the GPU runs queued work in
+    order after the sleep; an event completes when the GPU reaches it."""
+
+    def __init__(self, monkeypatch) -> None:
+        from xfuser_swiftfusion.tools.gpu_suite import timing
+        self.busy_until = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = 0.0
+
+            def record(self, stream=None) -> None:
+                self.t = max(time.monotonic(), gpu.busy_until)
+
+            def query(self) -> bool:
+                return time.monotonic() >= self.t
+
+            def elapsed_time(self, end) -> float:
+                return (end.t - self.t) * 1e3
+
+        def sleep(cycles: int) -> None:
+            gpu.busy_until = max(time.monotonic(), gpu.busy_until) + cycles / timing.SLEEP_CYCLES_PER_MS / 1e3
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def queue(self, seconds: float) -> None:
+        self.busy_until = max(time.monotonic(), self.busy_until) + seconds
+
+
+def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch):
+    """The GPU-only timing of the replay, on a fake GPU: 2 ms of host issue for 6 ms of GPU work
+    (GPU-bound), and a call that waits for the GPU (HostWaits)."""
+    from xfuser_swiftfusion.tools.gpu_suite import timing
+    gpu = _FakeGPU(monkeypatch)
+
+    def layer():
+        time.sleep(0.002)
+        gpu.queue(0.006)
+
+    host, on_gpu = timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=3)
+    assert 1.5 < host < 5.0 and 5.5 < on_gpu < 6.5
+
+    def synchronizing():
+        time.sleep(max(0.0, gpu.busy_until - time.monotonic()))  # e.g. .item() inside
+        gpu.queue(0.001)
+
+    with pytest.raises(timing.HostWaits, match="waits for the GPU"):
+        timing.host_and_gpu_ms(synchronizing, torch.device("cuda"), reps=3)

@@ -417,13 +417,12 @@ def prepare_triton(
     """``attend_triton``'s launch prepared once: its inputs checked, its chunk table built and
     uploaded; each call of the result is the kernel launch alone (the launch that timing
     compares with other kernels; each merges into ``states`` again). ``cfg``: as
-    ``attend_triton``, or the configuration the device accepted before."""
+    ``attend_triton`` (by default the configuration this device accepts)."""
     plan = _plan(q_chunks, kv_chunks, states, scale, out, cfg)
     if plan is None:
         raise ValueError("prepare_triton: nothing to launch (no query rows or no keys)")
-    cfg = SAFE_CONFIG if (plan.device.index, plan.cfg) in _rejected else plan.cfg
-    table, n_tiles = plan.table(cfg)
-    return lambda: plan.launch(table, n_tiles, cfg)
+    table, n_tiles = plan.table(plan.cfg)
+    return lambda: plan.launch(table, n_tiles, plan.cfg)
 
 
 def _set_first_tiles(rows: list[int], n_q: int, block_m: int) -> int:

@@ -106,11 +106,19 @@ def xfuser_attention_backend(name: str | None) -> Iterator[None]:
         rs.RuntimeState._select_attention_backend = real
 
 
-def usp_backend(strategy: str, dtype: str, cuda: bool) -> str | None:
-    """xFuser's attention backend for ``strategy`` in ``dtype``: on CUDA xFuser picks cuDNN
-    attention, which takes fp16/bf16 only, so fp32 ``usp`` runs on ``USP_FP32_BACKEND``
-    (memory-efficient attention: fp32, with an LSE); None: xFuser's own choice."""
-    return USP_FP32_BACKEND if cuda and strategy == "usp" and dtype == "fp32" else None
+def usp_backend(dtype: str, cuda: bool) -> str | None:
+    """xFuser's attention backend for the strategies that run xFuser's own USP (``usp``, and
+    ``auto`` where it picks ``usp``) in ``dtype``: on CUDA xFuser picks cuDNN attention, which
+    takes fp16/bf16 only, so fp32 runs on ``USP_FP32_BACKEND`` (memory-efficient attention:
+    fp32, with an LSE); None: xFuser's own choice. Strategies of this package never build
+    xFuser's runtime state, so the choice does not touch them."""
+    return USP_FP32_BACKEND if cuda and dtype == "fp32" else None
+
+
+def _runs_xfuser(strategy: str) -> bool:
+    """Whether ``strategy`` runs xFuser's own USP (its spec runs on xFuser's groups)."""
+    from ...strategies.registry import get
+    return get(strategy).external_groups
 
 
 def strategies(w: RowWriter, quick: bool = False, cuda: bool | None = None) -> None:
@@ -131,25 +139,26 @@ def strategies(w: RowWriter, quick: bool = False, cuda: bool | None = None) -> N
                              head_dim=64, dtype=dtype, joint_tokens=joint)
             for strategy in names():
                 label = f"{strategy} {dtype} text {joint} on {world} GPU" + ("s" if world > 1 else "")
-                xb = usp_backend(strategy, dtype, cuda)
+                xb = usp_backend(dtype, cuda)
                 try:
                     with xfuser_attention_backend(xb):
                         row = check_strategy(strategy, case, timeout_s=60)
                 except Exception as exc:  # noqa: BLE001  (a row per strategy; the rest still run)
                     if dist.get_rank() == 0:
                         why = f"{type(exc).__name__}: {exc}"[:300]
-                        if xb is not None:
+                        if xb is not None and _runs_xfuser(strategy):
                             w.add(label, "SKIP", f"xFuser's {xb} backend cannot run fp32 here "
                                   f"(its cuDNN default takes fp16/bf16 only): {why}")
                         else:
                             w.add(label, "FAIL", why)
                     continue
                 if dist.get_rank() == 0:
+                    on = xb if xb and _runs_xfuser(row.ran_as) else None
                     w.check(label, row.passed,
                             f"ran as {row.ran_as} {row.mesh.split(' ')[0]}"
-                            + (f" on xFuser's {xb} backend" if xb else "")
+                            + (f" on xFuser's {on} backend" if on else "")
                             + f": max err {row.max_abs_err:.2e} (tol {row.tolerance:g})",
-                            check=asdict(row), xfuser_backend=xb)
+                            check=asdict(row), xfuser_backend=on)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from ...comm.nvshmem import STREAMS_PER_QUEUE, contiguous_runs
 from ...kernels import attend_calls
 from .kernel import LABELS, ModelShape, backend, models, runnable
 from .report import RowWriter
-from .timing import call_ms, host_and_gpu_ms, kernel_ms
+from .timing import HostWaits, call_ms, host_and_gpu_ms, kernel_ms
 
 
 class _Done(Handle):
@@ -266,7 +266,13 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
             try:
                 with backend(name):
                     per_layer = _one_layer(r)
-                    host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
+                    try:
+                        host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
+                    except HostWaits as exc:  # a finding: the layer synchronizes inside
+                        wall = call_ms(r, device, quick)
+                        w.add(f"{where}: {_label(name)}", "INFO", f"{wall:.2f} ms per layer (wall); "
+                              f"{exc}", backend=name, wall_ms=wall, host_waits=True, **per_layer)
+                        continue
                     graph_ms, graph_how = _graph_ms(r, quick) if cuda else (None, "CPU: no CUDA graphs")
             except Exception as exc:  # noqa: BLE001  (one backend's error costs its row only)
                 w.add(f"{where}: {_label(name)}", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
@@ -274,11 +280,12 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
             layer_gpu[name] = gpu
             bound = ("host-bound: the host issues the layer slower than the GPU runs it"
                      if host > gpu else "GPU-bound")
+            timing = f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer: {bound}"
             if not cuda:
-                bound = "CPU stand-in: host and compute are one"
+                timing = f"{gpu:.2f} ms per layer (CPU stand-in: host and compute are one)"
             graph = f"CUDA graph {graph_ms:.2f} ms" if graph_ms is not None else graph_how
             w.add(f"{where}: {_label(name)}", "INFO",
-                  f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer: {bound}; {graph}; "
+                  f"{timing}; {graph}; "
                   f"{per_layer['attend_calls']} attend calls, {per_layer['copies']} copies for "
                   f"{(per_layer['inter_node_bytes'] + per_layer['intra_node_bytes']) / 2**20:.1f} MiB "
                   "of transfers", backend=name, gpu_ms=gpu, host_ms=host, host_bound=host > gpu,

@@ -56,8 +56,14 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, quick: bool = Fals
         return call_ms(fn, device, quick), f"events (capture failed: {type(exc).__name__}: {exc})"[:200]
 
 
+class HostWaits(RuntimeError):
+    """The call blocks the host until the GPU catches up (a synchronizing call inside it): its
+    host and GPU times cannot be told apart."""
+
+
 def host_and_gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> tuple[float, float]:
-    """(median host milliseconds to issue one call, median GPU milliseconds of its work)."""
+    """(median host milliseconds to issue one call, median GPU milliseconds of its work);
+    ``HostWaits`` where the call waits for the GPU."""
     if device.type != "cuda":
         ms = _cpu_ms(fn, reps)
         return ms, ms
@@ -76,6 +82,9 @@ def host_and_gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 
         ahead = not start.query()  # the sleep still runs: the GPU did not wait for the host
         torch.cuda.synchronize()
         if not ahead:
+            if issued >= 0.8 * sleep_ms:
+                raise HostWaits(f"the call kept the host {issued:.0f} ms behind a {sleep_ms:.0f} ms "
+                                "sleep kernel: it waits for the GPU (a synchronizing call inside)")
             sleep_ms = max(sleep_ms * 4, issued * 2)
             if sleep_ms > 10_000:
                 raise RuntimeError(f"the host took {issued:.0f} ms to issue one call: longer than "
