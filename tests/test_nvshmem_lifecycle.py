@@ -310,6 +310,205 @@ def test_exit_handler_is_registered_once_with_the_first_init(env, monkeypatch):
     assert registered == [nv._finalize_at_exit]
 
 
+# -- failure: no synchronize, no collective teardown ---------------------------------------------
+
+@pytest.mark.parametrize("how", ["attribute", "argument"])
+def test_close_after_a_failure_makes_no_collective_call_and_returns(env, how):
+    a, b = make(), make()
+    buf = a.symmetric_empty((2, 8), torch.float32)
+    b.symmetric_empty((3,), torch.float32)
+    a.prepare_groups([(0,)])
+    a.get(buf[1], buf[0], 0, queue="other", what="Pull-KV stage 1").wait()
+    a.barrier_all(what="barrier 1")
+    env.calls.clear()
+    if how == "attribute":
+        a.failed = True  # what SequenceParallelContext.close sets after a failed call
+        a.close()
+    else:
+        a.close(failed=True)
+    assert not COLLECTIVE & set(env.names()), env.names()
+    b.close()  # another communicator of the process: NVSHMEM may have stuck kernels too
+    assert not COLLECTIVE & set(env.names()), env.names()
+    with pytest.raises(PeerFailure, match="cannot be used again"):
+        make()
+
+
+def test_watchdog_timeout_fails_the_communicator_without_blocking_waits(env):
+    comm = make(world=2, node_of=[0, 1], timeout_s=0.3)
+    comm.abort_after_s = 30.0
+    buf = comm.symmetric_empty((2, 8), torch.float32)
+    env.hang = True  # the peer never serves the get
+    h = comm.get(buf[1], buf[0], 1, queue="other", what="Pull-KV stage 2")
+    t0 = time.monotonic()
+    h.wait()
+    assert time.monotonic() - t0 < 0.1  # the host does not block on the transfer
+    assert env.main_queries == 0
+    event = env.args("record")[-1][1]
+    assert env.args("wait_event")[-1] == (env.compute.cuda_stream, event)
+    assert wait_until(lambda: comm.failure is not None)
+    with pytest.raises(CommTimeout, match=r"rank 0: 'Pull-KV stage 2': get with peer 1 .*0\.3 s"):
+        comm.barrier_all(what="barrier 2")
+    env.calls.clear()
+    comm.close()  # the failure was raised already: close returns
+    assert not COLLECTIVE & set(env.names()), env.names()
+    assert env.aborts == []
+
+
+def test_watchdog_ends_the_process_when_a_failure_is_never_handled(env):
+    comm = make(world=2, node_of=[0, 1], timeout_s=0.2)
+    comm.abort_after_s = 0.2
+    buf = comm.symmetric_empty((2, 8), torch.float32)
+    env.hang = True
+    comm.put(buf[1], buf[0], 1, queue="ring", what="Push-O to machine 1")
+    assert wait_until(lambda: env.aborts, timeout_s=3.0)
+    assert "rank 0" in env.aborts[0] and "peer 1" in env.aborts[0] and "Push-O" in env.aborts[0]
+    env.calls.clear()
+    with pytest.raises(CommTimeout, match="Push-O"):  # never seen by the caller: close raises it
+        comm.close()
+    assert not COLLECTIVE & set(env.names()), env.names()
+
+
+# -- device discipline -------------------------------------------------------------------------
+
+def test_device_must_be_local_ranks_gpu(env, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env.current, env.initialized = 0, True  # the caller already works on cuda:0
+    with pytest.raises(RuntimeError, match=r"current CUDA device is cuda:0 but LOCAL_RANK=1"):
+        make()
+    assert "init" not in env.names()
+
+    env.initialized = False  # nothing chosen yet: the communicator takes LOCAL_RANK's GPU
+    comm = make()
+    assert comm.device == torch.device("cuda", 1) and env.current == 1
+    assert env.args("init")[0][0]["device"].device_id == 1
+    assert env.args("set_device") == [(1,)]
+    assert wait_until(lambda: any("watchdog" in name for name, _ in env.set_device_threads))
+    assert {i for name, i in env.set_device_threads if "watchdog" in name} == {1}
+    comm.close()
+
+
+def test_one_visible_gpu_is_local_ranks_gpu():
+    assert nv.choose_device(3, "3", 0, 1, True) == (0, None)
+    assert nv.choose_device(0, None, 2, 4, True) == (2, None)
+    index, error = nv.choose_device(5, "5", 0, 4, False)
+    assert "LOCAL_RANK=5" in error and "4 GPUs" in error
+
+
+def test_two_ranks_on_one_gpu_are_refused(env):
+    env.peers = [("host", "GPU-0", 0, None)]  # rank 1 reports the GPU rank 0 uses
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 share one GPU"):
+        make(world=2)
+    assert "init" not in env.names()
+    env.peers = [("host", "GPU-7", 0, None)]  # same index, another GPU (per-rank visibility)
+    make(world=2).close()
+
+
+def test_a_device_error_on_another_rank_fails_every_rank(env):
+    env.peers = [("host", "GPU-1", 0, "rank 1: the current CUDA device is cuda:0 but LOCAL_RANK=1")]
+    with pytest.raises(RuntimeError, match="rank 1: the current CUDA device is cuda:0"):
+        make(world=2)
+    assert "init" not in env.names()
+
+
+# -- transfers ---------------------------------------------------------------------------------
+
+def _ops(env: Env, start: int) -> list[tuple[str, tuple]]:
+    return [(n, a) for n, a in env.calls[start:] if n.endswith("_on_stream")]
+
+
+def test_inter_machine_transfers_are_nbi_with_one_quiet_intra_machine_are_stream_copies(env):
+    comm = make(world=3, node_of=[0, 0, 1])  # rank 1 on my machine, rank 2 on another
+    buf = comm.symmetric_empty((4, 6), torch.float32)
+    loc = comm.symmetric_empty((4, 3), torch.float32)
+    runs = [(buf.data_ptr() + 24 * i, loc.data_ptr() + 12 * i) for i in range(4)]
+
+    start = len(env.calls)
+    comm.get(loc, buf[:, :3], 2, queue="other", what="Pull-Q stage 1").wait()
+    ops = _ops(env, start)
+    s = ops[0][1][-1]
+    assert ops == [("getmem_nbi_on_stream", (near, far, 12, 2, s)) for far, near in runs] + [
+        ("quiet_on_stream", (s,))]
+
+    start = len(env.calls)
+    comm.put(buf[:, :3], loc, 2, queue="other", what="Push-O to machine 1")
+    ops = _ops(env, start)
+    s = ops[0][1][-1]
+    assert ops == [("putmem_nbi_on_stream", (far, near, 12, 2, s)) for far, near in runs] + [
+        ("quiet_on_stream", (s,))]
+
+    start = len(env.calls)
+    comm.get(loc, buf[:, :3], 1, queue="ring", what="ring step 1")
+    ops = _ops(env, start)
+    assert [n for n, _ in ops] == ["getmem_on_stream"] * 4  # in stream order, no quiet
+    comm.close()
+
+
+def test_transfers_of_a_queue_are_spread_over_streams_and_barriers_wait_for_them(env):
+    comm = make(world=2, node_of=[0, 0])
+    comm.prepare_groups([(0, 1)])
+    buf = comm.symmetric_empty((8, 4), torch.float32)
+    streams = []
+    for i in range(nv.STREAMS_PER_QUEUE + 1):
+        start = len(env.calls)
+        comm.get(buf[i % 4 + 4], buf[i % 4], 1, queue="other", what=f"get {i}")
+        streams.append(_ops(env, start)[0][1][-1])
+    n = nv.STREAMS_PER_QUEUE
+    assert len(set(streams[:n])) == n and streams[n] == streams[0]  # several in flight
+    assert 0 not in streams  # never on the caller's stream
+
+    start = len(env.calls)
+    comm.barrier_all(what="barrier 2")
+    calls = env.calls[start:]
+    (bs,) = {a[0] for name, a in calls if name == "barrier_all_on_stream"}
+    waited = {a[1] for name, a in calls if name == "wait_stream" and a[0] == bs}
+    assert set(streams) | {0} <= waited  # after every transfer and the caller's stream
+    assert ("wait_event", (0,)) == (calls[-1][0], calls[-1][1][:1])  # the caller waits, host not
+    assert env.main_queries == 0
+
+    # a sync follows only the transfers waited for since (no quiet, not the compute stream)
+    waited = comm.get(buf[4], buf[0], 1, queue="ring", what="pull")
+    comm.get(buf[5], buf[1], 1, queue="ring", what="still in flight")
+    waited.wait()
+    start = len(env.calls)
+    comm.sync((0, 1), what="ring-group sync")
+    calls = env.calls[start:]
+    (ss,) = {a[1] for name, a in calls if name == "team_sync_on_stream"}
+    assert not [a for name, a in calls if name == "wait_stream" and a[0] == ss]
+    assert [a[1] for name, a in calls if name == "wait_event" and a[0] == ss] == [waited._event]
+    start = len(env.calls)
+    comm.sync((0, 1), what="next sync")  # nothing waited for since: orders nothing
+    assert not [a for name, a in env.calls[start:] if name in ("wait_stream", "wait_event")
+                and a[0] == ss]
+    comm.close()
+
+
+def test_a_collective_teardown_that_never_returns_ends_the_process(env, monkeypatch):
+    comm = make(timeout_s=0.2)
+    comm.abort_after_s = 0.1
+    comm.symmetric_empty((4,), torch.float32)
+    released = threading.Event()
+    monkeypatch.setattr(env, "aborts", AbortList(released))
+    core = nv.nvshmem_modules()[0]
+    monkeypatch.setattr(core, "free_tensor", lambda t: released.wait(3.0))  # a peer never frees
+    comm.close()  # returns once the fake abort releases the free
+    assert env.aborts and "'close'" in env.aborts[0] and "collective teardown" in env.aborts[0]
+    assert "finalize" not in env.names()
+
+
+class AbortList(list):
+    """Records aborts and lets a blocked fake call return (a real abort ends the process)."""
+
+    def __init__(self, released: threading.Event) -> None:
+        super().__init__()
+        self.released = released
+
+    def append(self, msg: str) -> None:
+        super().append(msg)
+        self.released.set()
+
+
+# -- availability: import nvshmem.core ------------------------------------------------------------
+
 @pytest.fixture
 def nvshmem_without_core(tmp_path, monkeypatch):
     """An ``nvshmem`` package that is found but whose ``core`` does not import (nvshmem4py with
