@@ -4,6 +4,8 @@ For Q of length L against N KV chunks (separate buffers, Lk total = L), [B, H, L
   flash-concat  one flash_attn_func call on contiguous concatenated K/V (the lower bound)
   flash         attend(..., backend "flash"): K/V concatenated, one flash_attn_func + merge
   torch         attend(..., backend "torch"): K/V concatenated, one torch SDPA op + merge
+  cudnn         attend(..., backend "cudnn"): K/V concatenated, one cuDNN attention op + merge
+                (fp16/bf16, D <= 128 and a multiple of 8)
   triton        attend(..., backend "triton"): ONE fused multi-chunk launch (paper Alg. 2),
                 D in {32, 64, 128} only; the launch configuration is printed per point
 Each attend call is finalized. Tensors live in [B, L, H, D] buffers (flash-attn's layout);
@@ -52,6 +54,8 @@ def bench_point(L: int, D: int, n: int, args, have_flash: bool) -> dict[str, flo
         return run
 
     variants = {"torch": with_backend("torch")}
+    if dtype != torch.float32 and D % 8 == 0 and D <= 128 and torch.backends.cudnn.is_available():
+        variants["cudnn"] = with_backend("cudnn")
     if D in (32, 64, 128):
         variants["triton"] = with_backend("triton")
     if have_flash and D % 8 == 0 and D <= 256 and dtype != torch.float32:
@@ -89,9 +93,9 @@ def main() -> None:
     from xfuser_swiftfusion.kernels.triton_attend import _device_info, pick_config
 
     sm, sms = _device_info(torch.cuda.current_device())
-    print("| L | D | KV chunks | triton config | triton (ms) | TFLOP/s | flash (ms) | torch (ms) "
-          "| flash-concat (ms) | triton / concat |")  # fmt: skip
-    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| L | D | KV chunks | triton config | triton (ms) | TFLOP/s | cudnn (ms) | flash (ms) "
+          "| torch (ms) | flash-concat (ms) | triton / concat |")  # fmt: skip
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     nan = float("nan")
     for D in args.dims:
         for L in args.lengths:
@@ -103,7 +107,8 @@ def main() -> None:
                 if D in (32, 64, 128):
                     c = pick_config(D, sm, [L], args.batch * args.heads, sms)
                     cfg = f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
-                print(f"| {L} | {D} | {n} | {cfg} | {tri:.3f} | {tflops:.0f} | {t.get('flash', nan):.3f} "
+                print(f"| {L} | {D} | {n} | {cfg} | {tri:.3f} | {tflops:.0f} | {t.get('cudnn', nan):.3f} "
+                      f"| {t.get('flash', nan):.3f} "
                       f"| {t['torch']:.3f} | {concat:.3f} | {tri / concat:.3f} |", flush=True)  # fmt: skip
     set_backend(None)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,8 +31,14 @@ def test_suite_on_cpu_writes_the_table_rows_and_log(tmp_path, capsys):
     numerics = [r for r in rows if r.stage == "numerics"]
     assert len(numerics) == 4 and all(r.result == "PASS" for r in numerics)
     assert all(r.data["worst"]["backend"] == "triton" for r in numerics)
-    assert {(r.stage, r.result) for r in rows if r.stage in ("speed", "nvshmem")} == {
-        ("speed", "SKIP"), ("nvshmem", "SKIP")}
+    speed = [r for r in rows if r.stage == "speed" and r.result == "INFO"]  # CPU stand-ins
+    assert len(speed) == 4 and all(r.data["stand_in"] for r in speed)
+    skipped = {r.case for r in rows if r.stage == "speed" and r.result == "SKIP"}
+    assert skipped == {f"{b} D{d} bf16" for b in ("triton", "cudnn", "torch-flash", "flash-attn")
+                       for d in (64, 128)}
+    assert {(r.stage, r.result) for r in rows if r.stage == "nvshmem"} == {("nvshmem", "SKIP")}
+    table_doc = json.loads((out / "kernel-table.json").read_text())
+    assert set(table_doc["archs"]["cpu"]) == {"128/bf16", "64/bf16"}
     table = (out / "gpu-suite.md").read_text()
     assert "| numerics | triton D64 bf16 finalize on | PASS |" in table
     assert len(json.loads((out / "gpu-suite.json").read_text())) == len(rows)
@@ -191,3 +198,432 @@ def test_nvshmem_stage_checks_run_on_the_emulated_heap(tmp_path, topology):
     got = read_rows(rows)
     world = 2 if topology == "1x2" else 1
     assert len(got) == 5 * world and all(r.result == "PASS" for r in got), got
+
+
+# -- the harness: budget, stage errors, the probe -----------------------------------------------
+
+def test_a_stage_cut_by_the_budget_is_a_skip_not_a_failure(tmp_path):
+    suite = Suite(str(tmp_path), quick=True, budget_s=1.5, cuda=False, gpus=1)
+    try:
+        start = time.monotonic()
+        rc, _ = suite.run("compile", [sys.executable, "-c", "import time; time.sleep(30)"], 300)
+        assert rc is None and time.monotonic() - start < 10
+    finally:
+        suite.close()
+    (row,) = read_rows(str(tmp_path / "rows.jsonl"))
+    assert (row.stage, row.result) == ("compile", "SKIP") and row.figure.startswith("budget: stopped")
+    assert row.data["budget"] is True
+
+
+def test_a_stage_that_raises_costs_that_stage_and_the_table_is_written(tmp_path, monkeypatch, capsys):
+    def stage(self, name):
+        if name == "numerics":
+            raise subprocess.TimeoutExpired(["nvidia-cuda-mps-control", "-d"], 30)
+        self.add(name, "case", "PASS", "ran")
+
+    monkeypatch.setattr(Suite, "stage", stage)
+    rc = run_suite(str(tmp_path), ("env", "numerics", "speed"), quick=True, budget_s=60, allow_cpu=True)
+    rows = read_rows(str(tmp_path / "rows.jsonl"))
+    assert rc == 1
+    assert [(r.stage, r.result) for r in rows] == [("env", "PASS"), ("numerics", "FAIL"), ("speed", "PASS")]
+    assert "TimeoutExpired" in rows[1].figure
+    assert "| numerics | (stage) | FAIL |" in (tmp_path / "gpu-suite.md").read_text()
+
+
+def _script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_probe_waits_no_longer_than_the_budget(tmp_path, monkeypatch):
+    """An MPS daemon that never starts: the probe returns at the end of the budget with a row,
+    not after its own 30 s (or an exception)."""
+    from xfuser_swiftfusion.tools.gpu_suite import symmetric
+    control = _script(tmp_path / "mps-control", 'if [ "$1" = "-d" ]; then sleep 60; fi\nexit 0\n')
+    monkeypatch.setattr(symmetric, "mps_available", lambda: control)
+    monkeypatch.setattr(Suite, "_probe", lambda self, label, world, env: None)
+    suite = Suite(str(tmp_path), quick=True, budget_s=22, cuda=True, gpus=1)
+    suite.deadline = time.monotonic() + 2.0  # past the check for MIN_STAGE_S, 2 s left
+    monkeypatch.setattr("xfuser_swiftfusion.tools.gpu_suite.MIN_STAGE_S", 1)
+    try:
+        start = time.monotonic()
+        suite.pe_probe()
+        assert time.monotonic() - start < 10
+    finally:
+        suite.close()
+    rows = read_rows(str(tmp_path / "rows.jsonl"))
+    assert [(r.case, r.result) for r in rows] == [("MPS daemon", "INFO")], rows
+
+
+# -- ncu and compute-sanitizer ------------------------------------------------------------------
+
+def _speed_rows(rows_path: str) -> None:
+    w = RowWriter(rows_path, "speed")
+    for name, q in (("small", 2), ("large", 8), ("medium", 4)):
+        launch = kernel.Launch(name, 3, 128, (64,) * q, (64,) * 2)
+        # the largest launch is not the slowest one
+        w.add(name, "INFO", "x", flops=launch.flops, launch=launch.__dict__, tflops={"triton": 50 + q})
+
+
+def test_ncu_profiles_the_largest_launch_and_a_working_fallback_is_no_failure(tmp_path, monkeypatch):
+    args_file = tmp_path / "args"
+    csv = ('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+           '"0","_multi_chunk_attn_kernel","GPU Speed Of Light Throughput","Duration","us","61.25"\n')
+    ncu = _script(tmp_path / "ncu", f'echo "$@" >> {args_file}\n'
+                  'case "$*" in *--metrics*) echo "==ERROR== unknown metric"; exit 1;; esac\n'
+                  f"cat <<'CSV'\n{csv}CSV\n")
+    monkeypatch.setattr(tools, "find", lambda name: ncu if name == "ncu" else None)
+    suite = Suite(str(tmp_path), quick=True, budget_s=60, cuda=True, gpus=1)
+    _speed_rows(suite.rows_path)
+    try:
+        suite.ncu()
+    finally:
+        suite.close()
+    rows = [r for r in read_rows(suite.rows_path) if r.stage == "ncu"]
+    assert [(r.case, r.result) for r in rows] == [("large", "INFO")], rows
+    assert "Duration 61.25 us" in rows[0].figure and "pipe metrics not available" in rows[0].figure
+    assert '"name": "large"' in args_file.read_text().splitlines()[0]
+    assert (tmp_path / "ncu.csv").read_text().startswith('"ID"')
+
+
+def test_sanitizer_counts_kernel_errors_and_racecheck_on_sm90_is_information(tmp_path, monkeypatch):
+    """A fake compute-sanitizer: the memcheck run reports two CUDA API errors torch handles
+    (no kernel error), the racecheck run two hazards; on sm_90 racecheck is an INFO row."""
+    fake = _script(tmp_path / "compute-sanitizer", '''
+rows=""; prev=""
+for a in "$@"; do [ "$prev" = "--rows" ] && rows="$a"; prev="$a"; done
+echo '{"stage": "launches", "case": "launch D64 bf16", "result": "PASS", "figure": "", "data": {}}' >> "$rows"
+case "$*" in
+*racecheck*) echo "========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)"; exit 9;;
+*) echo "========= Program hit cudaErrorPeerAccessUnsupported (error 217) due to peer access is not supported on CUDA API call to cudaDeviceCanAccessPeer."
+   echo "========= Program hit cudaErrorInvalidValue (error 1) due to invalid argument on CUDA API call to cudaFuncGetAttributes."
+   echo "========= ERROR SUMMARY: 2 errors"; exit 9;;
+esac
+''')
+    monkeypatch.setattr(tools, "find", lambda name: fake if name == "compute-sanitizer" else None)
+    suite = Suite(str(tmp_path), quick=True, budget_s=60, cuda=True, gpus=1)
+    suite.add("env", "gpu", "INFO", "H100", sm="90")
+    try:
+        suite.sanitizer()
+    finally:
+        suite.close()
+    rows = {r.case: r for r in read_rows(suite.rows_path) if r.stage == "sanitizer"}
+    assert rows["memcheck"].result == "PASS", rows["memcheck"]
+    assert rows["racecheck"].result == "INFO" and "2 kernel errors" in rows["racecheck"].figure
+    assert "--report-api-errors" in tools.sanitizer_command("cs", "memcheck", ["p"])
+
+
+def test_sanitizer_api_errors_are_not_kernel_errors():
+    out = ("========= Program hit cudaErrorInvalidValue (error 1) due to invalid argument on CUDA API "
+           "call to cudaFuncGetAttributes.\n"
+           "========= Invalid __global__ read of size 4 bytes\n"
+           "========= ERROR SUMMARY: 2 errors\n")
+    assert tools.sanitizer_errors(out) == 1
+    assert tools.racecheck_is_information(90) and not tools.racecheck_is_information(80)
+
+
+# -- the strategies stage: one row per strategy ---------------------------------------------------
+
+@pytest.fixture
+def one_rank_world(monkeypatch):
+    import torch.distributed as dist
+
+    from xfuser_swiftfusion.emulation.launcher import free_port
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fake_check(failing: set, seen: list):
+    from xfuser.core.distributed import runtime_state as rs
+
+    from xfuser_swiftfusion.tools.check import CheckRow
+
+    def check_strategy(strategy, case, topology=None, timeout_s=None):
+        seen.append((strategy, case.dtype, rs.RuntimeState._select_attention_backend(None, None)))
+        if (strategy, case.dtype) in failing:
+            raise RuntimeError(f"{strategy} cannot run {case.dtype} here")
+        return CheckRow(strategy, strategy, "U1xR1 (one GPU)", 0.0, 1e-5, True, 0)
+
+    return check_strategy
+
+
+def test_one_strategy_that_raises_costs_its_row_only(tmp_path, monkeypatch, one_rank_world):
+    from xfuser_swiftfusion.strategies import names
+    from xfuser_swiftfusion.tools.check import check_strategy
+    from xfuser_swiftfusion.tools.gpu_suite import paths
+    seen: list = []
+    monkeypatch.setattr("xfuser_swiftfusion.tools.check.check_strategy",
+                        _fake_check({("tas", "bf16")}, seen))
+    paths.strategies(RowWriter(str(tmp_path / "r.jsonl"), "strategies"), quick=True)
+    rows = read_rows(str(tmp_path / "r.jsonl"))
+    assert len(rows) == 2 * len(names()) and check_strategy is not None
+    assert [r.case for r in rows if r.result == "FAIL"] == ["tas bf16 text 7 on 1 GPU"]
+    assert all(r.result == "PASS" for r in rows if not r.case.startswith("tas bf16"))
+
+
+def test_usp_fp32_on_cuda_runs_on_xfusers_efficient_backend_or_is_a_skip(tmp_path, monkeypatch, one_rank_world):
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+
+    from xfuser_swiftfusion.tools.gpu_suite import paths
+    seen: list = []
+    monkeypatch.setattr("xfuser_swiftfusion.tools.check.check_strategy",
+                        _fake_check({("usp", "fp32")}, seen))
+    paths.strategies(RowWriter(str(tmp_path / "r.jsonl"), "strategies"), quick=True, cuda=True)
+    backends = {(s, dt): b for s, dt, b in seen}
+    assert backends[("usp", "fp32")] == AttentionBackendType.SDPA_EFFICIENT
+    assert backends[("usp", "bf16")] != AttentionBackendType.SDPA_EFFICIENT  # xFuser's own choice
+    rows = {r.case: r for r in read_rows(str(tmp_path / "r.jsonl"))}
+    usp = rows["usp fp32 text 7 on 1 GPU"]
+    assert usp.result == "SKIP" and "SDPA_EFFICIENT" in usp.figure and "usp cannot run fp32" in usp.figure
+
+
+# -- env, numerics, speed -----------------------------------------------------------------------
+
+def test_env_records_the_cuda_python_packages_and_transformers():
+    from xfuser_swiftfusion.tools.gpu_suite import paths
+    assert {"cuda-core", "cuda-bindings", "cuda-pathfinder", "transformers", "numpy"} <= set(paths.versions())
+
+
+def test_numerics_is_a_skip_where_the_triton_interpreter_cannot_run(tmp_path, monkeypatch):
+    """The GPU image's triton 3.6.0 with numpy 2.5.2 (reported by the package metadata)."""
+    import importlib.metadata
+
+    from xfuser_swiftfusion.kernels import interpret
+    real = importlib.metadata.version
+    image = {"triton": "3.6.0", "numpy": "2.5.2"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: image.get(name) or real(name))
+    clear = getattr(getattr(interpret, "interpreter_problem", None), "cache_clear", lambda: None)
+    clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        kernel.numerics(RowWriter(str(tmp_path / "r.jsonl"), "numerics"), torch.device("cpu"), quick=True)
+    finally:
+        clear()
+    (row,) = read_rows(str(tmp_path / "r.jsonl"))
+    assert (row.case, row.result) == ("triton", "SKIP") and "numpy 2.5.2" in row.figure
+
+
+def test_speed_times_each_backend_through_attend_and_its_prebuilt_kernels():
+    launch = kernel.torus_launches(kernel.CPU_MODELS[1])[0]
+    got = kernel.measure_launch(launch, ["cpu"], torch.bfloat16, torch.device("cpu"), quick=True)
+    assert set(got["attend"]) == set(got["kernel"]) == set(got["single"]) == {"cpu"}
+    assert got["kernel_how"] == {"cpu": "host"}
+
+
+def test_the_kernel_table_is_written_from_the_speed_rows(tmp_path):
+    from xfuser_swiftfusion.tools.gpu_suite import write_kernel_table
+    w = RowWriter(str(tmp_path / "r.jsonl"), "speed")
+    for ms in ({"triton": 1.0, "cudnn": 0.5}, {"triton": 2.0, "cudnn": 3.0}):
+        w.add("launch", "INFO", "x", attend_ms=ms, arch="sm90", shape="128/bf16")
+    assert write_kernel_table(read_rows(str(tmp_path / "r.jsonl")), str(tmp_path / "t.json"))
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["archs"]["sm90"]["128/bf16"] == {"order": ["triton", "cudnn"], "ms": {"triton": 3.0, "cudnn": 3.5}}
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+def _replayed(model, monkeypatch) -> tuple[list, object]:
+    from xfuser_swiftfusion.strategies import ring, torus
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    seen, real = [], ring.attend
+
+    def spy(qs, kvs, states, **kw):
+        if kvs:
+            seen.append((tuple(q.shape[2] for q in qs), tuple(k.shape[2] for k, _ in kvs), qs[0].shape[1]))
+        return real(qs, kvs, states, **kw)
+
+    monkeypatch.setattr(ring, "attend", spy)
+    assert torus.attend is not None
+    r = replay.build_layer(model, torch.device("cpu"), torch.float32)
+    out = r()  # [B, H, S + Tj, D]: the text rows with the image rows
+    assert out.shape[2] == r.q.shape[2] + model.joint and torch.isfinite(out).all()
+    return sorted(set(seen)), r
+
+
+@pytest.mark.parametrize("heads", [24, 48])
+def test_replay_makes_rank_0s_launches_and_transfers(monkeypatch, heads):
+    """The replayed layer makes the launches ``torus_launches`` derives (checked there against
+    the launches swiftfusion makes on emulated clusters) and moves rank 0's bytes."""
+    from xfuser_swiftfusion.mesh import counted_inter_node_elements
+    model = kernel.ModelShape("m", heads, 16, 32 * 4)
+    made, r = _replayed(model, monkeypatch)
+    want = sorted({(x.q_lens, x.kv_lens, x.heads) for x in kernel.torus_launches(model)})
+    assert made == want
+    elements = counted_inter_node_elements(r.mesh, 1, model.tokens, heads, 16, ring="pull")[0]
+    assert r.comm.counter.inter_node_bytes == elements * 4  # fp32
+    assert r.comm.copies > 0
+
+
+def test_replay_with_text_tokens_and_its_usp_equivalent(monkeypatch):
+    model = kernel.ModelShape("m", 48, 16, 32 * 3 + 5, joint=5)
+    _, r = _replayed(model, monkeypatch)
+    assert (r.usp_heads, r.usp_queries, r.keys) == (3, 32 * 3 // 2 + 5, 32 * 3 + 5)  # U16 x R2
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    out, lse = replay.usp_single_kernel(r, "cpu")()[:2]
+    assert out.shape == (1, 3, r.usp_queries, 16)
+
+
+def test_replay_comm_copies_the_bytes_of_slices():
+    from xfuser_swiftfusion.tools.gpu_suite.replay import ReplayComm
+    comm = ReplayComm(0, 3, [0, 0, 1], 5.0)  # rank 1 on my machine, rank 2 on another
+    a, b = comm.symmetric_empty((4, 256), torch.float32), comm.symmetric_empty((4, 256), torch.float32)
+    src = torch.randn(4, 256)
+    comm.put(a[1:3], src[1:3], 1, queue="other", what="rows").wait()
+    comm.get(b[:, 64:128], a[:, 64:128], 1, queue="ring", what="strided").wait()
+    assert torch.equal(a[1:3], src[1:3]) and torch.equal(b[1:3, 64:128], src[1:3, 64:128])
+    with pytest.raises(ValueError, match="another machine must be a contiguous view of a symmetric"):
+        comm.get(torch.empty(2, 256), a[1:3], 2, queue="other", what="unregistered")
+    comm.get(b[2:4], a[1:3], 2, queue="other", what="registered").wait()
+    assert torch.equal(b[2:4], src[1:3])
+    assert comm.counter.intra_node_bytes == (2 * 256 + 4 * 64) * 4
+    assert comm.counter.inter_node_bytes == 2 * 256 * 4 and comm.copies == 1 + 4 + 1
+
+
+def test_replay_stage_rows_on_cpu(tmp_path, monkeypatch):
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    monkeypatch.setattr(kernel, "CPU_MODELS", (kernel.ModelShape("tiny", 24, 32, 32 * 2),))
+    replay.replay(RowWriter(str(tmp_path / "r.jsonl"), "replay"), torch.device("cpu"), quick=True)
+    rows = read_rows(str(tmp_path / "r.jsonl"))
+    assert [r.case.split(": ")[-1] for r in rows] == ["cpu", "USP-equivalent single kernel"]
+    assert rows[0].data["attend_calls"] > 0 and rows[0].data["stand_in"]
+    assert "x the single kernel" in rows[1].figure
+
+
+# -- the dry run's look-alike: a CUDA build of torch on a machine without a GPU ----------------
+
+def test_xfuser_on_a_cuda_build_of_torch_without_a_gpu_runs_as_on_cpu(monkeypatch):
+    """torch 2.11.0+cu130 without a driver (the dry run's look-alike): xFuser's envs say CUDA
+    (``torch.version.cuda`` is set) and its runtime state picks cuDNN (``cudnn.is_available()``);
+    the compatibility layer makes both what a CPU build of torch gives."""
+    from types import ModuleType, SimpleNamespace
+
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+
+    from xfuser_swiftfusion.integrations.xfuser import compat
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    envs = ModuleType("fake_envs")
+    envs._is_cuda = lambda: True  # torch.version.cuda is "13.0"
+    compat.patch_envs_cuda_build_without_gpu(envs)
+    assert envs._is_cuda() is False
+
+    class RuntimeState:
+        def _select_attention_backend(self, engine_config=None):
+            return AttentionBackendType.CUDNN  # torch.backends.cudnn.is_available()
+
+    rs = ModuleType("fake_runtime_state")
+    rs.RuntimeState, rs.AttentionBackendType = RuntimeState, AttentionBackendType
+    compat.patch_runtime_state_backend_selection(rs)
+    assert RuntimeState()._select_attention_backend() == AttentionBackendType.SDPA_FLASH
+    asked = SimpleNamespace(runtime_config=SimpleNamespace(attention_backend="CUDNN"))
+    assert RuntimeState()._select_attention_backend(asked) == AttentionBackendType.CUDNN
+
+
+# -- the GPU command (docs/gpu-suite.md) ---------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpu_command() -> str:
+    """The block ``scripts/gpu_image_dryrun.sh`` runs: the fenced block after the marker."""
+    text = open(os.path.join(REPO, "docs", "gpu-suite.md")).read()
+    after = text[text.index("<!-- gpu-command:"):]
+    block = after[after.index("```bash\n") + len("```bash\n"):]
+    return block[:block.index("```")].rstrip("\n")
+
+
+def test_the_gpu_command_fits_the_device_tool():
+    """The static parts the dry run relies on: under 2,000 characters; the wheels installed with
+    --no-index --no-deps --target; the carried cuda-core only where nvshmem.core needs it; the
+    NVSHMEM smoke test first, bounded, removing nvshmem4py when it fails; a suite budget ending
+    40 s inside the 540 s limit; at most 8 files back, 1 folder down."""
+    from xfuser_swiftfusion.tools.gpu_suite import FILES
+    cmd = gpu_command()
+    assert 0 < len(cmd) < 2000
+    stated = re.search(r"this command \((\d+)\s", open(os.path.join(REPO, "docs", "gpu-suite.md")).read())
+    assert stated and int(stated.group(1)) == len(cmd), "docs/gpu-suite.md states another length"
+    assert "--no-index --no-deps --no-compile --no-cache-dir --target" in cmd
+    assert "python3 -c 'import nvshmem.core' 2>>$L || export PYTHONPATH=$S:$C" in cmd
+    smoke = cmd.index("nvshmem-smoke")
+    assert cmd.index("timeout -k 5 75") < smoke < cmd.index("rm -rf $S/nvshmem $S/nvshmem4py*")
+    assert smoke < cmd.index("--gpu-suite") and "--budget $((500-SECONDS))" in cmd
+    outputs = set(re.findall(r"\$OUT/[\w./-]*", cmd))
+    assert outputs == {"$OUT/setup.log", "$OUT/suite"}
+    assert len(FILES) + 1 <= 8  # the suite's files under $OUT/suite, and setup.log
+    assert subprocess.run(["bash", "-n", "-c", cmd]).returncode == 0
+    for script in ("gpu_image_dryrun.sh", "gpu_wheelhouse.sh"):
+        assert subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", script)]).returncode == 0
+
+
+def test_a_backend_that_raises_in_speed_costs_its_figures_only(tmp_path, monkeypatch):
+    real = kernel._kernel_fn
+
+    def kernel_fn(name, qs, kvs, scale):
+        if len(qs) > 4:
+            raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+        return real(name, qs, kvs, scale)
+
+    monkeypatch.setattr(kernel, "_kernel_fn", kernel_fn)
+    monkeypatch.setattr(kernel, "CPU_MODELS", kernel.CPU_MODELS[1:])
+    kernel.speed(RowWriter(str(tmp_path / "r.jsonl"), "speed"), torch.device("cpu"), quick=True)
+    rows = [r for r in read_rows(str(tmp_path / "r.jsonl")) if r.result != "SKIP"]
+    assert [r.result for r in rows] == ["INFO", "FAIL"]  # 4Q x 4KV measured; 16Q x 4KV failed
+    assert "no valid execution plans" in rows[1].figure
+
+
+class _FakeGPU:
+    """``torch.cuda``'s events and sleep kernel over a clock: the GPU runs queued work in
+    order after the sleep; an event completes when the GPU reaches it."""
+
+    def __init__(self, monkeypatch) -> None:
+        from xfuser_swiftfusion.tools.gpu_suite import timing
+        self.busy_until = 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = 0.0
+
+            def record(self, stream=None) -> None:
+                self.t = max(time.monotonic(), gpu.busy_until)
+
+            def query(self) -> bool:
+                return time.monotonic() >= self.t
+
+            def elapsed_time(self, end) -> float:
+                return (end.t - self.t) * 1e3
+
+        def sleep(cycles: int) -> None:
+            gpu.busy_until = max(time.monotonic(), gpu.busy_until) + cycles / timing.SLEEP_CYCLES_PER_MS / 1e3
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def queue(self, seconds: float) -> None:
+        self.busy_until = max(time.monotonic(), self.busy_until) + seconds
+
+
+def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch):
+    """The GPU-only timing of the replay, on a fake GPU: 2 ms of host issue for 6 ms of GPU work
+    (GPU-bound), and a call that waits for the GPU (HostWaits)."""
+    from xfuser_swiftfusion.tools.gpu_suite import timing
+    gpu = _FakeGPU(monkeypatch)
+
+    def layer():
+        time.sleep(0.002)
+        gpu.queue(0.006)
+
+    host, on_gpu = timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=3)
+    assert 1.5 < host < 5.0 and 5.5 < on_gpu < 6.5
+
+    def synchronizing():
+        time.sleep(max(0.0, gpu.busy_until - time.monotonic()))  # e.g. .item() inside
+        gpu.queue(0.001)
+
+    with pytest.raises(timing.HostWaits, match="waits for the GPU"):
+        timing.host_and_gpu_ms(synchronizing, torch.device("cuda"), reps=3)

@@ -4,8 +4,13 @@ launch-configuration table.
 * Selection: every (device type, head dim, dtype, flash-attn installed or not, triton
   installed or not, GPU arch) against an independent statement of what each backend supports;
   explicit requests that cannot run a shape fail naming the constraint.
-* torch backend: its merge runs with the CPU op on CPU tensors (the op is a parameter) and is
-  compared with the fp64 softmax reference, for head dims no other GPU path covers.
+* torch and cudnn backends: their merge runs with the CPU op on CPU tensors (the op is a
+  parameter; cuDNN's is replaced by the CPU op in cuDNN's output layout) and is compared with
+  the fp64 softmax reference; the real ops' argument binding and output shapes are checked on
+  meta tensors (torch's meta kernels, the same in torch 2.11 and 2.13).
+* The measured choice table: a fake table (env ``SWIFTFUSION_KERNEL_TABLE``) orders the
+  automatic choice for its architecture and shapes; without a table or an entry, the default
+  rule holds.
 * flash backend: one flash_attn_func call per Q chunk on the concatenated K/V.
 * Triton table: ``pick_config``'s small-grid rule; every entry AOT-compiled for every GPU it
   serves (shared memory fits, no register spills); every entry's tile shape run under the
@@ -15,6 +20,7 @@ launch-configuration table.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import random
@@ -24,9 +30,9 @@ import torch
 
 from support.interpreter import report, run_cases_in_subprocess
 from support.reference import attention_lse
-from xfuser_swiftfusion.kernels import dispatch, new_state, set_backend
+from xfuser_swiftfusion.kernels import choice, dispatch, new_state, set_backend
 from xfuser_swiftfusion.kernels import flash as flash_backend
-from xfuser_swiftfusion.kernels import torch_cuda
+from xfuser_swiftfusion.kernels import interpret, torch_cuda
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEAD_DIMS = (32, 64, 72, 88, 96, 128, 256)
@@ -40,14 +46,19 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 def _automatic_choice(monkeypatch):
     monkeypatch.delenv("SWIFTFUSION_KERNEL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(choice.TABLE_ENV, raising=False)
+    monkeypatch.setattr(choice, "PACKAGED", choice.PACKAGED.with_name("no-such-table.json"))
     set_backend(None)
     yield
     set_backend(None)
+    choice.clear_cache()
 
 
-def _packages(monkeypatch, *, flash: bool, triton: bool = True) -> None:
+def _packages(monkeypatch, *, flash: bool, triton: bool = True, cudnn: bool = True) -> None:
+    """What is installed: flash-attn, triton, and whether torch has cuDNN (a CUDA build)."""
     installed = {"flash_attn": flash, "triton": triton}
     monkeypatch.setattr(dispatch, "_installed", lambda package: installed[package])
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn)
 
 
 def reference(q, kv_chunks, scale):
@@ -116,6 +127,10 @@ def test_auto_choice_on_cpu(monkeypatch, head_dim, dtype, flash):
     ("flash", 128, torch.float32, (8, 0), r"kernel backend 'flash' needs fp16/bf16 inputs"),
     ("flash", 260, torch.bfloat16, (8, 0), r"kernel backend 'flash' needs a head dim <= 256 and a multiple of 8"),
     ("flash", 36, torch.bfloat16, (8, 0), r"kernel backend 'flash' needs a head dim <= 256 and a multiple of 8"),
+    ("cudnn", 128, torch.float32, (9, 0), r"kernel backend 'cudnn' needs fp16/bf16 inputs"),
+    ("cudnn", 256, torch.bfloat16, (9, 0), r"kernel backend 'cudnn' needs a head dim <= 128 and a multiple of 8"),
+    ("cudnn", 36, torch.float16, (9, 0), r"kernel backend 'cudnn' needs a head dim <= 128 and a multiple of 8"),
+    ("cudnn", 64, torch.float16, (7, 5), r"kernel backend 'cudnn' needs sm_80 to sm_121 \(got sm_75\)"),
 ])  # fmt: skip
 def test_explicit_request_that_cannot_run_the_shape_names_the_constraint(monkeypatch, name, head_dim, dtype,
                                                                          capability, message):
@@ -132,8 +147,14 @@ def test_explicit_request_that_can_run_is_honoured(monkeypatch):
     assert dispatch.select_backend(CUDA, "torch", 128, torch.bfloat16, (9, 0)) == "torch"
     assert dispatch.select_backend(CUDA, "flash", 64, torch.bfloat16, (9, 0)) == "flash"
     assert dispatch.select_backend(CUDA, "triton", 128, torch.float16, (8, 0)) == "triton"
+    assert dispatch.select_backend(CUDA, "cudnn", 72, torch.bfloat16, (9, 0)) == "cudnn"
     with pytest.raises(RuntimeError, match="kernel backend 'torch' needs a CUDA device"):
         dispatch.select_backend(CPU, "torch", 64, torch.float32)
+    with pytest.raises(RuntimeError, match="kernel backend 'cudnn' needs a CUDA device"):
+        dispatch.select_backend(CPU, "cudnn", 64, torch.bfloat16)
+    _packages(monkeypatch, flash=True, cudnn=False)
+    with pytest.raises(RuntimeError, match=r"kernel backend 'cudnn' needs torch built with cuDNN"):
+        dispatch.select_backend(CUDA, "cudnn", 64, torch.bfloat16, (9, 0))
     with pytest.raises(RuntimeError, match="kernel backend 'flash' needs the flash_attn package"):
         _packages(monkeypatch, flash=False)
         dispatch.select_backend(CUDA, "flash", 64, torch.bfloat16, (9, 0))
@@ -266,6 +287,153 @@ def test_torch_ops_accept_the_call_on_meta_tensors():
         assert out.shape == q.shape and lse.shape == (2, 3, lse_len) and lse.dtype == torch.float32
 
 
+# ------------------------------------------------------------------ cudnn backend
+def _cpu_cudnn_sdpa(calls):
+    """``_scaled_dot_product_cudnn_attention`` on CPU tensors: torch's CPU op in cuDNN's output
+    contract (9 results; LSE fp32 ``[B, H, Lq, 1]``), recording its arguments."""
+    def op(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+           return_debug_mask=False, *, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not is_causal
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        calls.append((q.shape[2], k.shape[2], scale))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+        return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
+
+    return op
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 72, 128])
+def test_cudnn_backend_merge_matches_reference(monkeypatch, dtype, D):
+    calls = []
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", _cpu_cudnn_sdpa(calls))
+    rng = random.Random(f"cudnn-{D}-{dtype}")
+    torch.manual_seed(rng.randint(0, 2**31))
+    B, H, scale = 2, 4, D**-0.5
+    q_chunks = _chunks(rng, dtype, B, H, D, [5, 0, 33])
+    kv_chunks = list(zip(_chunks(rng, dtype, B, 2, D, [7, 0, 40]),  # grouped K/V: 2 heads
+                         _chunks(rng, dtype, B, 2, D, [7, 0, 40])))
+    states = [new_state(q) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, kv_chunks[:2], states, scale, op=torch_cuda.cudnn_op)
+    torch_cuda.attend_torch(q_chunks, kv_chunks[2:], states, scale, op=torch_cuda.cudnn_op)
+    assert calls == [(5, 7, scale), (33, 7, scale), (5, 40, scale), (33, 40, scale)]
+    for q, s in zip(q_chunks, states):
+        assert_state_matches(s, q, kv_chunks, scale, TOL[dtype])
+
+
+def test_cudnn_backend_runs_a_single_key_on_the_torch_op(monkeypatch):
+    """cuDNN takes no K/V of length 1: such a call runs on the torch backend's op."""
+    calls, other = [], _cpu_op(pad_lse=1)
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", _cpu_cudnn_sdpa(calls))
+    monkeypatch.setattr(torch_cuda, "cuda_op", lambda q: other)
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 64, dtype=torch.bfloat16)
+    kv = [(torch.randn(1, 2, 1, 64, dtype=torch.bfloat16), torch.randn(1, 2, 1, 64, dtype=torch.bfloat16))]
+    s = [new_state(q)]
+    torch_cuda.attend_torch([q], kv, s, 0.125, op=torch_cuda.cudnn_op)
+    assert calls == [] and [c[:2] for c in other.calls] == [(6, 1)]
+    assert_state_matches(s[0], q, kv, 0.125, TOL[torch.bfloat16])
+
+
+def test_cudnn_op_on_meta_tensors():
+    """cuDNN's op as ``cudnn_op`` calls it (torch's meta kernel): output [B, H, Lq, D] in the
+    query's layout, LSE fp32 [B, H, Lq, 1] read as [B, H, Lq]."""
+    q = torch.empty(2, 45, 3, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)  # [B, H, L, D] view
+    k = torch.empty(2, 3, 100, 128, device="meta", dtype=torch.bfloat16)
+    raw = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, k, None, True, dropout_p=0.0,
+                                                             is_causal=False, return_debug_mask=False,
+                                                             scale=0.1)
+    assert raw[1].shape == (2, 3, 45, 1) and raw[1].dtype == torch.float32
+    out, lse = torch_cuda.cudnn_op(q, k, k, 0.1)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+    assert lse.shape == (2, 3, 45) and lse.dtype == torch.float32
+
+
+def test_cudnn_choice_runs_through_the_cudnn_op(monkeypatch):
+    _packages(monkeypatch, flash=False)
+    monkeypatch.setattr(dispatch, "current_backend", lambda device, d, dt: "cudnn")
+    ops = []
+    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale, op=None: ops.append(op))
+    q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
+    dispatch.attend([q], [(q, q)], [new_state(q)], scale=0.1)
+    assert ops == [torch_cuda.cudnn_op]
+    assert dispatch.masked_backend(CUDA, "cudnn") == "torch"  # key masks: the torch backend
+
+
+# ------------------------------------------------------------------ measured choice table
+def _write_table(tmp_path, archs, name="table.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": choice.FORMAT, "source": "fake GPU run", "archs": archs}))
+    return str(path)
+
+
+def test_a_measured_table_orders_the_automatic_choice(tmp_path, monkeypatch):
+    _packages(monkeypatch, flash=True)
+    monkeypatch.setenv(choice.TABLE_ENV, _write_table(tmp_path, {
+        "sm90": {"128/bf16": {"order": ["cudnn", "triton"]}, "72/bf16": {"order": ["torch", "flash"]},
+                 "64/fp32": {"order": ["cudnn", "torch"]}}}))
+    pick = lambda d, dt, cap: dispatch.select_backend(CUDA, None, d, dt, cap)  # noqa: E731
+    assert pick(128, torch.bfloat16, (9, 0)) == "cudnn"
+    assert pick(72, torch.bfloat16, (9, 0)) == "torch"
+    assert pick(64, torch.float32, (9, 0)) == "torch"  # cudnn listed first, cannot run fp32
+    assert pick(128, torch.float16, (9, 0)) == "triton"  # no entry: the default rule
+    assert pick(128, torch.bfloat16, (8, 0)) == "triton"  # no entry for sm80
+    order, source = dispatch.auto_order(CUDA, 128, torch.bfloat16, (9, 0))
+    assert order == ("cudnn", "triton", "flash", "torch") and "sm90" in source
+
+
+def test_without_a_table_the_default_rule_holds(monkeypatch):
+    _packages(monkeypatch, flash=True)
+    assert choice.load_table(dispatch.BACKENDS) is None
+    assert dispatch.auto_order(CUDA, 128, torch.bfloat16, (9, 0)) == (dispatch.AUTO_ORDER["cuda"], "default order")
+
+
+@pytest.mark.parametrize("archs, message", [
+    ({"sm90": {"128/bf16": {"order": ["fa3"]}}}, r"sm90 128/bf16: \"order\" must be a non-empty list"),
+    ({"sm90": {"128/bf16": {"order": []}}}, r"\"order\" must be a non-empty list"),
+    ({"sm90": ["cudnn"]}, r"sm90 must map shapes to entries"),
+])
+def test_a_malformed_table_is_an_error_naming_the_file(tmp_path, monkeypatch, archs, message):
+    path = _write_table(tmp_path, archs)
+    monkeypatch.setenv(choice.TABLE_ENV, path)
+    with pytest.raises(ValueError, match=message) as err:
+        dispatch.select_backend(CUDA, None, 128, torch.bfloat16, (9, 0))
+    assert path in str(err.value)
+    monkeypatch.setenv(choice.TABLE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="no such kernel table"):
+        dispatch.select_backend(CUDA, None, 128, torch.bfloat16, (9, 0))
+
+
+def test_the_table_a_gpu_run_writes_is_the_table_the_dispatcher_reads(tmp_path, monkeypatch):
+    doc = choice.table_document("sm90", {"128/bf16": {"triton": 0.31, "cudnn": 0.2, "torch": 0.4}},
+                                "swiftfusion check --gpu-suite on a fake H100")
+    assert doc["archs"]["sm90"]["128/bf16"]["order"] == ["cudnn", "triton", "torch"]
+    path = tmp_path / "kernel-table.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv(choice.TABLE_ENV, str(path))
+    _packages(monkeypatch, flash=False)
+    assert dispatch.select_backend(CUDA, None, 128, torch.bfloat16, (9, 0)) == "cudnn"
+
+
+# ------------------------------------------------------------------ triton interpreter
+def test_interpreter_problem_of_triton_before_3_7_with_numpy_2_4():
+    assert "numpy >= 2.4 needs triton >= 3.7" in interpret.interpreter_problem_for("3.6.0", "2.5.2")
+    assert interpret.interpreter_problem_for("3.6.0", "2.4.0rc1") is not None
+    assert interpret.interpreter_problem_for("3.7.1", "2.5.2") is None
+    assert interpret.interpreter_problem_for("3.6.0", "2.3.5") is None
+
+
+def test_triton_on_cpu_needs_a_working_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _packages(monkeypatch, flash=False)
+    monkeypatch.setattr(dispatch, "interpreter_problem", lambda: "the triton 3.6.0 interpreter fails")
+    with pytest.raises(RuntimeError, match="kernel backend 'triton' needs a working interpreter on "
+                                           "cpu: the triton 3.6.0 interpreter fails"):
+        dispatch.select_backend(CPU, "triton", 64, torch.bfloat16)
+    monkeypatch.setattr(dispatch, "interpreter_problem", lambda: None)
+    assert dispatch.select_backend(CPU, "triton", 64, torch.bfloat16) == "triton"
+
+
 # ------------------------------------------------------------------ flash backend
 def _fake_flash_attn(calls):
     def flash_attn_func(q, k, v, softmax_scale, return_attn_probs):
@@ -333,12 +501,12 @@ def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
     monkeypatch.setattr(ta, "_rejected", set())
     launched = []
 
-    def launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, finalizing, interp, device):
+    def launch(plan, table, n_tiles, cfg):
         launched.append(cfg)
         if cfg != ta.SAFE_CONFIG:
             raise OutOfResources(200_000, 101_376, "shared memory")
 
-    monkeypatch.setattr(ta, "_launch", launch)
+    monkeypatch.setattr(ta._Plan, "launch", launch)
     q = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     for _ in range(2):
         ta.attend_triton([q], [(q, q)], [new_state(q)], 0.1)

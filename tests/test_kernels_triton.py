@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -35,7 +36,8 @@ RANDOM_CASES = [
         ("float16", (1, 3), 128),
     ]
 ]
-SPECIAL_CASES = ["many-q-chunks", "no-kv-finalize", "large-scores", "unaligned-input", "unaligned-state-raises"]
+SPECIAL_CASES = ["many-q-chunks", "no-kv-finalize", "large-scores", "unaligned-input", "unaligned-state-raises",
+                 "prepared-launch"]
 
 
 # ------------------------------------------------------------------ subprocess side
@@ -101,6 +103,25 @@ def _interpreter_cases() -> dict:
             return
         raise AssertionError("misaligned in-place state was accepted")
 
+    def prepared_launch():  # prepare_triton: the table built once, each call the launch alone
+        from xfuser_swiftfusion.kernels.triton_attend import prepare_triton
+
+        torch.manual_seed(3)
+        q_chunks = [torch.randn(1, 2, L, 64, dtype=torch.bfloat16) for L in (9, 0, 40)]
+        kv = [(torch.randn(1, 2, L, 64, dtype=torch.bfloat16), torch.randn(1, 2, L, 64, dtype=torch.bfloat16))
+              for L in (7, 30)]
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.full(q.shape, float("nan"), dtype=q.dtype) for q in q_chunks]
+        launch = prepare_triton(q_chunks, kv, states, 0.125, out=outs)
+        assert all(torch.isnan(o).all() for o in outs if o.numel())  # nothing ran yet
+        launch()
+        for q, o, s in zip(q_chunks, outs, states):
+            assert_matches(o, s.lse(), *reference(q, kv, 0.125), TOL[torch.bfloat16])
+        launch()  # the same keys merged again: the output stays, the LSE grows by log 2
+        for q, o, s in zip(q_chunks, outs, states):
+            ref_out, ref_lse = reference(q, kv, 0.125)
+            assert_matches(o, s.lse() - math.log(2), ref_out, ref_lse, TOL[torch.bfloat16])
+
     cases = {name: (lambda a=args: random_case(*a)) for name, *args in RANDOM_CASES}
     cases.update(
         {
@@ -109,6 +130,7 @@ def _interpreter_cases() -> dict:
             "large-scores": large_scores,
             "unaligned-input": unaligned_input,
             "unaligned-state-raises": unaligned_state_raises,
+            "prepared-launch": prepared_launch,
         }
     )
     return cases

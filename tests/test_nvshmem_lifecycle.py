@@ -7,6 +7,7 @@ gather of other ranks is faked.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -232,7 +233,7 @@ def wait_until(cond, timeout_s: float = 5.0) -> bool:
     return cond()
 
 
-# -- one NVSHMEM instance per process ----------------------------------------------------------
+# -- one NVSHMEM instance per process, finalized at exit --------------------------------------
 
 def test_communicators_share_one_instance_and_free_only_their_own_buffers(env):
     a, b = make(), make()
@@ -247,22 +248,66 @@ def test_communicators_share_one_instance_and_free_only_their_own_buffers(env):
     a.close()
     assert [p for (p,) in env.args("free_tensor")] == mine  # creation order, a's only
     assert env.args("team_destroy") == [(team_a,)]
-    assert "finalize" not in env.names()
     b.barrier_all(what="b still works after a closed")
 
     b.close()
     assert [p for (p,) in env.args("free_tensor")] == mine + theirs
     assert env.args("team_destroy") == [(team_a,), (team_b,)]
-    assert env.names().count("finalize") == 1
-    assert env.names().index("finalize") > env.names().index("team_destroy")
     a.close()
     b.close()
-    assert env.names().count("finalize") == 1
+    assert "finalize" not in env.names()  # not when the last communicator closes: at exit
 
-    c = make()  # a later context initialises again (libnvshmem 3.x re-initialises after finalize)
-    assert env.names().count("init") == 2
+
+def test_a_later_communicator_joins_the_instance_and_exit_finalizes_it_once(env):
+    """NVSHMEM documents nested init, not init after finalize: a communicator made after every
+    earlier one closed uses the same instance; the exit handler finalizes it, once."""
+    make().close()
+    c = make()  # a later context of the same process (e.g. the next strategy)
+    assert env.names().count("init") == 1 and "finalize" not in env.names()
+    c.barrier_all(what="works on the first instance")
     c.close()
-    assert env.names().count("finalize") == 2
+    assert nv._RUNTIME.finalize_at_exit() is True
+    assert nv._RUNTIME.finalize_at_exit() is False
+    assert env.names().count("finalize") == 1
+    assert env.names().index("finalize") > env.names().index("barrier_all_on_stream")
+    with pytest.raises(RuntimeError, match="finalized at exit"):
+        make()
+
+
+def test_a_communicator_of_another_world_cannot_share_the_instance(env):
+    make().close()
+    with pytest.raises(ValueError, match=r"PE 0 of 1 .* rank 0 of 2 .* restart the process"):
+        make(world=2)
+    assert env.names().count("init") == 1
+
+
+def test_exit_does_not_finalize_after_a_failure_or_without_an_instance(env):
+    assert nv._RUNTIME.finalize_at_exit() is False  # never initialised
+    comm = make()
+    comm.close(failed=True)
+    assert nv._RUNTIME.finalize_at_exit() is False
+    assert "finalize" not in env.names()
+
+
+def test_a_finalize_at_exit_that_never_returns_ends_the_process(env, monkeypatch):
+    make().close()
+    released = threading.Event()
+    monkeypatch.setattr(env, "aborts", AbortList(released))
+    core = nv.nvshmem_modules()[0]
+    monkeypatch.setattr(core, "finalize", lambda: released.wait(3.0))  # a peer never finalizes
+    t0 = time.monotonic()
+    nv._RUNTIME.finalize_at_exit(timeout_s=0.2)
+    assert time.monotonic() - t0 < 2.0
+    assert env.aborts and "finalize at exit did not return within" in env.aborts[0]
+
+
+def test_exit_handler_is_registered_once_with_the_first_init(env, monkeypatch):
+    registered = []
+    monkeypatch.setattr(nv, "_exit_handler", False)
+    monkeypatch.setattr(nv.atexit, "register", registered.append)
+    make().close()
+    make().close()
+    assert registered == [nv._finalize_at_exit]
 
 
 # -- failure: no synchronize, no collective teardown ---------------------------------------------
@@ -460,3 +505,42 @@ class AbortList(list):
     def append(self, msg: str) -> None:
         super().append(msg)
         self.released.set()
+
+
+# -- availability: import nvshmem.core ------------------------------------------------------------
+
+@pytest.fixture
+def nvshmem_without_core(tmp_path, monkeypatch):
+    """An ``nvshmem`` package that is found but whose ``core`` does not import (nvshmem4py with
+    ``cuda.core`` older than 0.5)."""
+    pkg = tmp_path / "nvshmem"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bindings.py").write_text("")
+    (pkg / "core.py").write_text("raise ImportError('nvshmem4py needs cuda.core >= 0.5.0')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "nvshmem" or m.startswith("nvshmem.")]:
+        monkeypatch.delitem(sys.modules, name)
+    clear = getattr(getattr(nv, "nvshmem_import_error", None), "cache_clear", lambda: None)
+    clear()
+    yield
+    clear()
+
+
+def test_available_means_nvshmem_core_imports(nvshmem_without_core):
+    error = nv.nvshmem_import_error()
+    assert error is not None and "cuda.core >= 0.5.0" in error, error
+
+
+def test_swiftfusion_falls_back_where_nvshmem_core_does_not_import(nvshmem_without_core):
+    """``swiftfusion``'s fallback decision (every rank's ``import nvshmem.core``)."""
+    from xfuser_swiftfusion.strategies import swiftfusion
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert swiftfusion._nvshmem_missing_anywhere() == [0]
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -1,13 +1,19 @@
 """NVSHMEM symmetric heap through nvshmem4py (``pip install nvshmem4py-cu13``; GPU only).
 
-One NVSHMEM instance per process (``_Runtime``), shared by every communicator: the first one
-initialises it (collective: every rank's ``(host, GPU uuid, device)`` is gathered to refuse two
-ranks on one GPU, then rank 0's ``nvshmem.core.get_unique_id()``, 128 bytes, is broadcast over
-torch.distributed and every rank calls ``nvshmem.core.init(device=, uid=, rank=, nranks=,
-initializer_method="uid")``; PE ids equal global ranks), the last one to close finalizes it
-(``finalize`` frees every NVSHMEM buffer of the process, so it runs only when no communicator
-is left; libnvshmem 3.x re-initialises after a finalize). Each communicator frees only its own
-symmetric tensors and teams, in creation order (both collective).
+One NVSHMEM instance per process (``_Runtime``), shared by every communicator and finalized
+once, at exit: the first communicator initialises it (collective: every rank's ``(host, GPU
+uuid, device)`` is gathered to refuse two ranks on one GPU, then rank 0's
+``nvshmem.core.get_unique_id()``, 128 bytes, is broadcast over torch.distributed and every rank
+calls ``nvshmem.core.init(device=, uid=, rank=, nranks=, initializer_method="uid")``; PE ids
+equal global ranks); later communicators, also after every earlier one closed, use it as it is
+(same rank, world and GPU, or an error: NVSHMEM documents nested init, not init after
+finalize). An ``atexit`` handler finalizes it (collective; bounded by ``FINALIZE_TIMEOUT_S``,
+then the process ends) unless a failure was recorded. ``finalize`` frees every NVSHMEM buffer
+of the process; each communicator frees only its own symmetric tensors and teams at close, in
+creation order (both collective).
+
+Available means ``import nvshmem.core`` works (``nvshmem_import_error``): nvshmem4py imports
+``cuda.core`` (>= 0.5) and ``cuda.pathfinder``, so a package that is found may still not load.
 
 Device: ``LOCAL_RANK``'s GPU (the only visible one when a process sees one GPU), or the current
 device without ``LOCAL_RANK``; a device the caller already chose must be that GPU. Streams are
@@ -40,7 +46,7 @@ never joins), the watchdog logs the failure and ends the process (exit status 1)
 
 Close: after a failure (``failed`` set, by the watchdog or the caller; or a failure of another
 communicator of the process) ``close`` makes no device synchronize and no collective call (free,
-team destroy, finalize): it logs rank and failure and returns. Otherwise it waits (bounded by
+team destroy; nor is NVSHMEM finalized at exit): it logs rank and failure and returns. Otherwise it waits (bounded by
 ``timeout_s``) for its streams and the current stream, then frees its tensors and teams and
 releases the instance, under the watchdog.
 
@@ -52,7 +58,9 @@ nvshmem4py is imported lazily: this module imports without it and without a GPU.
 """
 from __future__ import annotations
 
+import atexit
 import collections
+import functools
 import itertools
 import os
 import socket
@@ -74,6 +82,7 @@ log = get_logger("xfuser_swiftfusion.comm")
 
 UID_BYTES = 128
 STREAMS_PER_QUEUE = 4
+FINALIZE_TIMEOUT_S = 60.0  # at exit: a peer that left without finalizing must not hang this one
 
 
 def nvshmem_modules() -> tuple[ModuleType, ModuleType]:
@@ -85,6 +94,19 @@ def nvshmem_modules() -> tuple[ModuleType, ModuleType]:
         raise RuntimeError("the nvshmem backend needs nvshmem4py: pip install nvshmem4py-cu13 "
                            f"(import failed: {exc})") from exc
     return core, bindings
+
+
+@functools.lru_cache(maxsize=None)
+def nvshmem_import_error() -> str | None:
+    """Why ``import nvshmem.core`` fails in this process (``ExceptionType: message``), or None
+    when it works: the test of nvshmem4py being available (a found package may still fail to
+    import, e.g. with ``cuda.core`` older than 0.5 or without ``cuda.pathfinder``)."""
+    try:
+        nvshmem_modules()
+    except Exception as exc:  # noqa: BLE001  (any failure to load means unavailable)
+        cause = exc.__cause__ or exc
+        return f"{type(cause).__name__}: {cause}"
+    return None
 
 
 def uid_to_bytes(uid: Any) -> bytes:
@@ -215,33 +237,42 @@ def _abort(message: str) -> None:
 
 @dataclass
 class _Runtime:
-    """The process's NVSHMEM instance. ``users`` communicators hold it; initialised by the first,
-    finalized by the last unless a failure was recorded (then never: its collectives would wait
-    on kernels that never finish), and then refused to later communicators."""
+    """The process's NVSHMEM instance. ``users`` communicators hold it; initialised by the first
+    and kept, as it is, for later ones (same rank, world size and GPU) until the process exits,
+    when ``finalize_at_exit`` finalizes it unless a failure was recorded (then never: its
+    collectives would wait on kernels that never finish; later communicators are refused)."""
 
     users: int = 0
     rank: int | None = None
     world_size: int | None = None
     device: int | None = None
+    core: ModuleType | None = None  # the nvshmem.core that initialised it (None: not initialised)
+    finalized: bool = False
     failure: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def acquire(self, comm: "NvshmemCommunicator", core: ModuleType, error: str | None) -> None:
-        """Collective when no communicator holds the instance (every rank alike): check the
-        devices of all ranks, then initialise NVSHMEM on ``comm.device``."""
+        """Collective the first time (every rank alike): check the devices of all ranks, then
+        initialise NVSHMEM on ``comm.device``. Later: join the instance, which must be this
+        communicator's rank, world size and GPU."""
         index = comm.device.index
         with self.lock:
             if self.failure is not None:
                 raise PeerFailure(f"rank {comm.rank}: NVSHMEM failed earlier in this process "
                                   f"({self.failure}); it cannot be used again: restart the process")
-            if self.users:
+            if self.finalized:
+                raise RuntimeError(f"rank {comm.rank}: NVSHMEM was finalized at exit; it cannot be "
+                                   "initialised again in this process")
+            if self.core is not None:
                 if error:
                     raise RuntimeError(error)
                 if (self.rank, self.world_size, self.device) != (comm.rank, comm.world_size, index):
                     raise ValueError(
                         f"rank {comm.rank}: NVSHMEM is initialised in this process as PE "
                         f"{self.rank} of {self.world_size} on cuda:{self.device}; a communicator "
-                        f"for rank {comm.rank} of {comm.world_size} on cuda:{index} cannot share it")
+                        f"for rank {comm.rank} of {comm.world_size} on cuda:{index} cannot share it "
+                        "(one NVSHMEM instance per process, finalized at exit: NVSHMEM cannot be "
+                        "initialised again after a finalize); restart the process")
                 self.users += 1
                 return
             check_device_rows(_all_gather_object(device_row(index, error), comm.world_size))
@@ -249,27 +280,65 @@ class _Runtime:
             core.init(device=_cuda_core_device(index), uid=uid, rank=comm.rank,
                       nranks=comm.world_size, initializer_method="uid")
             self.users, self.rank, self.world_size, self.device = 1, comm.rank, comm.world_size, index
+            self.core = core
+        _register_exit_handler()
         log.info("rank %d: NVSHMEM %s initialised on cuda:%d", comm.rank,
                  core.get_version().libnvshmem_version, index)
 
-    def release(self, core: ModuleType, failure: BaseException | None) -> None:
-        """One communicator leaves; the last one finalizes unless a failure was recorded."""
+    def release(self, failure: BaseException | None) -> None:
+        """One communicator leaves (the instance stays until exit)."""
         with self.lock:
             self.users -= 1
             if failure is not None:
                 self.fail(failure)
-            if self.users or self.failure is not None:
-                return
-            self.rank = self.world_size = self.device = None
-        core.finalize()  # collective; outside the lock, which a watchdog may need meanwhile
 
     def fail(self, failure: BaseException) -> None:
         """Record the first failure (any thread, without the lock)."""
         if self.failure is None:
             self.failure = failure
 
+    def finalize_at_exit(self, timeout_s: float = FINALIZE_TIMEOUT_S) -> bool:
+        """Finalize the instance (collective: every PE at its exit), at most once, unless it was
+        never initialised or a failure was recorded; a finalize that does not return within
+        ``timeout_s`` ends the process. Returns whether it finalized."""
+        with self.lock:
+            core = self.core
+            if core is None or self.finalized or self.failure is not None:
+                return False
+            self.finalized = True
+        if self.users:
+            log.info("rank %s: %d NVSHMEM communicator(s) not closed at exit; finalize frees "
+                     "their buffers", self.rank, self.users)
+        done = threading.Event()
+
+        def guard() -> None:
+            if not done.wait(timeout_s):
+                _abort(f"xfuser_swiftfusion: rank {self.rank}: nvshmem finalize at exit did not "
+                       f"return within {timeout_s:.0f} s (a PE left without finalizing): ending "
+                       "the process")
+
+        threading.Thread(target=guard, daemon=True, name="swiftfusion-nvshmem-finalize").start()
+        try:
+            core.finalize()
+        finally:
+            done.set()
+        return True
+
 
 _RUNTIME = _Runtime()
+_exit_handler = False
+
+
+def _finalize_at_exit() -> None:
+    """The ``atexit`` handler: finalize the process's NVSHMEM instance (``_Runtime``)."""
+    _RUNTIME.finalize_at_exit()
+
+
+def _register_exit_handler() -> None:
+    global _exit_handler
+    if not _exit_handler:
+        _exit_handler = True
+        atexit.register(_finalize_at_exit)
 
 
 # -- watchdog ------------------------------------------------------------------------------------
@@ -407,7 +476,7 @@ class NvshmemCommunicator(OneSided):
             self._failure_seen = False  # raised to the caller at least once
             self._watchdog = _Watchdog(self)
         except BaseException as exc:
-            _RUNTIME.release(core, exc)
+            _RUNTIME.release(exc)
             raise
         self._open = True
 
@@ -592,7 +661,7 @@ class NvshmemCommunicator(OneSided):
                   len(self._buffers.entries()), sum(t is not None for t in self._teams.values()))
         self._buffers.clear()
         self._teams.clear()
-        _RUNTIME.release(self._core, reason if isinstance(reason, BaseException)
+        _RUNTIME.release(reason if isinstance(reason, BaseException)
                          else PeerFailure(f"rank {self.rank}: {reason}"))
 
     def close(self, failed: bool = False) -> None:
@@ -600,7 +669,7 @@ class NvshmemCommunicator(OneSided):
         the caller's; ``failure``: the watchdog's; or one of another communicator of the process)
         return without device synchronize or collective call; a watchdog failure that neither the
         caller reported nor a call raised is raised after that. Else collective: free tensors and
-        teams in creation order; the last communicator finalizes NVSHMEM."""
+        teams in creation order (NVSHMEM itself is finalized at exit)."""
         if not getattr(self, "_open", False):
             return
         self._open = False
@@ -619,10 +688,10 @@ class NvshmemCommunicator(OneSided):
             self._abandon(exc)
             raise
         # the watchdog bounds the collective teardown too: a peer that left meanwhile never
-        # joins the barriers inside free and finalize, and this thread cannot leave them
+        # joins the barriers inside free, and this thread cannot leave them
         finished = threading.Event()
-        self._watchdog.watch(finished.is_set, "collective teardown (free, team destroy, "
-                             "finalize) with every rank", "close")
+        self._watchdog.watch(finished.is_set, "collective teardown (free, team destroy) with "
+                             "every rank", "close")
         ok = False
         try:
             torch.cuda.synchronize(self.device)
@@ -637,7 +706,7 @@ class NvshmemCommunicator(OneSided):
             self._buffers.clear()
             self._teams.clear()
             try:
-                _RUNTIME.release(self._core, None if ok else PeerFailure(
+                _RUNTIME.release(None if ok else PeerFailure(
                     f"rank {self.rank}: freeing NVSHMEM buffers or teams failed"))
             finally:
                 finished.set()

@@ -3,24 +3,30 @@
 Backends:
 
 * "triton": the fused multi-chunk kernel; CUDA sm_80+ with D in {32, 64, 128} and fp16/bf16
-  (also runs on CPU tensors under ``TRITON_INTERPRET=1``, fp32 included);
+  (also runs on CPU tensors under ``TRITON_INTERPRET=1``, fp32 included, where the installed
+  triton's interpreter works: ``interpret.interpreter_problem``);
 * "flash": flash-attn, one call per Q chunk on the concatenated K/V + merge; CUDA sm_80+,
   fp16/bf16, D <= 256 and a multiple of 8;
+* "cudnn": cuDNN's fused attention through torch (the FlashAttention-3-class kernel on
+  Hopper) + merge; CUDA sm_80-sm_121, fp16/bf16, D <= 128 and a multiple of 8;
 * "torch": torch's own CUDA attention ops that return an LSE + merge; any head dim, fp32 too;
 * "cpu": torch's CPU flash attention + merge.
 
 The choice is made per call from the device and the (head dim, dtype) of the inputs:
 ``set_backend(name)`` > env ``SWIFTFUSION_KERNEL`` > "auto", which takes the first backend
-of ("triton", "flash", "torch") on CUDA (("cpu",) elsewhere) that is installed and supports
-the shape. An explicit request that cannot run the shape is an error naming the constraint.
-Choices are cached per (device, head dim, dtype) and logged once.
+that is installed and supports the shape, in the order of the measured table for this GPU's
+architecture and shape where one exists (``choice.py``), else of ``AUTO_ORDER`` (("triton",
+"flash", "torch") on CUDA; ("cpu",) elsewhere). An explicit request that cannot run the shape
+is an error naming the constraint. Choices are cached per (device, head dim, dtype) and logged
+once.
 
 Grouped-query attention: K/V chunks may have fewer heads H_kv (dividing the query heads H);
 query head i uses K/V head i // (H / H_kv). triton and flash read the shared K/V heads in
-place; torch and cpu repeat them. Key masks (``key_masks``, one ``[B, Lk_j]`` bool per K/V
-chunk, True = attend) run on the backends with a key mask and an LSE: "cpu" on CPU tensors,
-"torch" (memory-efficient attention with an additive bias) on CUDA. A masked call whose
-chosen backend is triton or flash runs there instead (a per-call choice, logged once).
+place; cudnn, torch and cpu repeat them. Key masks (``key_masks``, one ``[B, Lk_j]`` bool per
+K/V chunk, True = attend) run on the backends with a key mask and an LSE: "cpu" on CPU
+tensors, "torch" (memory-efficient attention with an additive bias) on CUDA. A masked call
+whose chosen backend is triton, flash or cudnn runs there instead (a per-call choice, logged
+once).
 """
 from __future__ import annotations
 
@@ -32,13 +38,14 @@ from collections.abc import Sequence
 import torch
 
 from ..log import get_logger, log_once
+from . import choice
 from . import flash as flash_backend
-from .interpret import interpreting
+from .interpret import interpreter_problem, interpreting
 from .state import AttnState, finalize as finalize_state
 
 logger = get_logger("xfuser_swiftfusion.kernels")
 
-BACKENDS = ("triton", "flash", "torch", "cpu")
+BACKENDS = ("triton", "flash", "cudnn", "torch", "cpu")
 ENV_VAR = "SWIFTFUSION_KERNEL"
 AUTO_ORDER = {"cuda": ("triton", "flash", "torch")}  # any other device type: ("cpu",)
 TRITON_HEAD_DIMS = (32, 64, 128)  # triton_attend.SUPPORTED_HEAD_DIMS, without importing triton
@@ -57,19 +64,22 @@ def _missing(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run on ``device`` at all (whatever the shape), or None."""
     if name == "cpu":
         return None if device.type == "cpu" else f"CPU tensors (got a {device.type} device)"
-    if name in ("flash", "torch") and device.type != "cuda":
+    if name in ("flash", "cudnn", "torch") and device.type != "cuda":
         return f"a CUDA device (got {device.type})"
     if name == "flash":
         if not _installed("flash_attn"):
             return "the flash_attn package (pip install flash-attn)"
         return None
-    if name == "torch":
+    if name in ("cudnn", "torch"):
         return None
     if not _installed("triton"):
         return "the triton package"
     if device.type == "cuda":
         return None
-    return None if interpreting() else f"a CUDA device or TRITON_INTERPRET=1 (got {device.type})"
+    if not interpreting():
+        return f"a CUDA device or TRITON_INTERPRET=1 (got {device.type})"
+    problem = interpreter_problem()
+    return None if problem is None else f"a working interpreter on {device.type}: {problem}"
 
 
 def _unsupported(
@@ -90,6 +100,10 @@ def _unsupported(
         return None
     if name == "flash":
         return flash_backend.supports(head_dim, dtype, capability)
+    if name == "cudnn":
+        from .torch_cuda import cudnn_supports
+
+        return cudnn_supports(head_dim, dtype, capability, torch.backends.cudnn.is_available())
     if name == "torch":
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"fp16/bf16/fp32 inputs (got {dtype})"
@@ -120,7 +134,7 @@ def _select(
         return _unsupported(n, device, head_dim, dtype, capability)
 
     if name == "auto":
-        order = AUTO_ORDER.get(device.type, ("cpu",))
+        order = auto_order(device, head_dim, dtype, capability)[0]
         reasons: dict[str, str] = {}
         for n in order:
             reason = why_not(n)
@@ -144,6 +158,26 @@ def _select(
         if reason is not None:
             raise RuntimeError(f"kernel backend {name!r} needs {reason}, for inputs of {_shape_text(head_dim, dtype)}")
     return name, {}
+
+
+def auto_order(device: torch.device, head_dim: int | None, dtype: torch.dtype | None,
+               capability: tuple[int, int] | None = None) -> tuple[tuple[str, ...], str]:
+    """(backends in the order "auto" tries them, where that order comes from): on CUDA the
+    measured table's entry for the GPU's architecture and the shape, followed by the rest of
+    ``AUTO_ORDER``; without an entry (or a table), ``AUTO_ORDER``."""
+    default = AUTO_ORDER.get(device.type, ("cpu",))
+    if device.type != "cuda" or head_dim is None or dtype is None:
+        return default, "default order"
+    table = choice.load_table(BACKENDS)
+    if table is None:
+        return default, "default order"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    measured = table.order(capability, head_dim, dtype)
+    if measured is None:
+        return default, "default order"
+    rest = tuple(n for n in default if n not in measured)
+    return (*measured, *rest), f"measured order for {choice.arch_key(capability)} ({table.path})"
 
 
 def select_backend(
@@ -185,6 +219,8 @@ def current_backend(device: torch.device, head_dim: int | None = None, dtype: to
         _chosen[key] = name
         if head_dim is not None:
             because = "".join(f"; {n} needs {why}" for n, why in skipped.items())
+            if requested == "auto":
+                because += f" ({auto_order(device, head_dim, dtype)[1]})"
             logger.info("swiftfusion attention kernel backend for %s, %s: %s%s",
                         device.type, _shape_text(head_dim, dtype), name, because)  # fmt: skip
     return name
@@ -286,6 +322,10 @@ def attend(
         return list(out) if finalize else None
     if backend == "flash":
         flash_backend.attend_flash(q_chunks, kv_chunks, states, scale)
+    elif backend == "cudnn":
+        from .torch_cuda import attend_torch, cudnn_op
+
+        attend_torch(q_chunks, kv_chunks, states, scale, op=cudnn_op)
     elif backend == "torch":
         from .torch_cuda import attend_torch
 

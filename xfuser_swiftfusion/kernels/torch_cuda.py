@@ -1,10 +1,13 @@
-"""torch backend (CUDA): torch's own fused attention ops that return a log-sum-exp, for the
-shapes the Triton kernel and flash-attn do not cover (head dims such as 72, 88, 96, 256; fp32).
+"""torch and cudnn backends (CUDA): torch's own fused attention ops that return a
+log-sum-exp. torch covers the shapes the Triton kernel and flash-attn do not (head dims such as
+72, 88, 96, 256; fp32); cudnn is cuDNN's fused attention, the FlashAttention-3-class kernel on
+Hopper (what xFuser's USP runs there).
 
 Per call, the KV chunks are concatenated into one K/V [B, H, sum Lk_j, D] and every Q chunk
 makes one op call against it; its (out, lse) is merged into the chunk's state exactly like
 the CPU backend does (``merge_partial_``). K/V with fewer heads than Q (grouped-query
-attention) are repeated to the query heads after joining. The op is chosen per call:
+attention) are repeated to the query heads after joining. The torch backend's op is chosen
+per call:
 
 * ``_scaled_dot_product_flash_attention`` (FlashAttention-2 inside torch) for fp16/bf16,
   D <= 256 and a multiple of 8, on sm_80 or newer, when torch was built with it;
@@ -15,9 +18,20 @@ attention) are repeated to the query heads after joining. The op is chosen per c
   ``[B, 1, 1, ceil(Lk / 16) * 16]`` storage, 16-element aligned as torch's SDPA front end
   pads it); batch entries whose keys are all masked merge as LSE -inf (``merge_masked_``).
 
-Both take [B, H, L, D] with unit stride along D and return the output as [B, H, Lq, D] and
-the LSE (natural log, scale included) as fp32 [B, H, >= Lq]. The op is a parameter of
-``attend_torch``, so the same merge runs on CPU tensors with the CPU op in the tests.
+The cudnn backend's op is ``_scaled_dot_product_cudnn_attention(q, k, v, attn_bias=None,
+compute_log_sumexp=True, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale)``
+(the same signature and meta kernel in torch 2.11 and 2.13); its LSE is fp32 ``[B, H, Lq, 1]``
+(natural log, scale included; xFuser's CUDNN backend squeezes the last dim too) and it is read
+as the ``[B, H, Lq]`` view ``lse[..., 0]``. What it takes (torch's ``can_use_cudnn_attention``
+checks, ``cudnn_supports``): fp16/bf16 only; sm_80 to sm_121; D a multiple of 8 and at most
+128 (256 only on sm_90/sm_100 with cuDNN newer than 9.22; torch 2.11 and 2.13 ship 9.19 and
+9.20); B and H at most 65535; no K/V of length 1 (a call whose joined K/V has one key runs
+on the torch op instead, logged once). Key-masked calls never come here (the dispatcher
+runs them on the torch backend).
+
+All ops take [B, H, L, D] with unit stride along D and return the output as [B, H, Lq, D]
+and the LSE as fp32 [B, H, >= Lq]. The op is a parameter of ``attend_torch``, so the same
+merge runs on CPU tensors with the CPU op in the tests.
 """
 from __future__ import annotations
 
@@ -25,7 +39,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..log import get_logger, log_once
 from .state import AttnState, joined_kv, key_bias, merge_masked_, merge_partial_
+
+logger = get_logger("xfuser_swiftfusion.kernels")
 
 # (q, k, v [B, H, L, D], scale) -> (out [B, H, Lq, D], lse fp32 [B, H, >= Lq])
 AttnOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -73,6 +90,33 @@ def flash_op_supports(head_dim: int, dtype: torch.dtype, capability: tuple[int, 
     )
 
 
+CUDNN_MAX_HEAD_DIM = 128  # 256 needs cuDNN > 9.22 on sm_90/sm_100 (torch 2.11/2.13 ship 9.19/9.20)
+CUDNN_MAX_BATCH_HEADS = 65535
+_cudnn_sdpa = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
+def cudnn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention with ``compute_log_sumexp=True``: out [B, H, Lq, D], LSE fp32
+    ``[B, H, Lq, 1]`` returned as its ``[B, H, Lq]`` view."""
+    out, lse = _cudnn_sdpa(q, k, v, None, True, dropout_p=0.0, is_causal=False,
+                           return_debug_mask=False, scale=scale)[:2]
+    return out, lse[..., 0]
+
+
+def cudnn_supports(head_dim: int, dtype: torch.dtype, capability: tuple[int, int], built: bool) -> str | None:
+    """Why cuDNN attention cannot run inputs of (head_dim, dtype) on a GPU of ``capability``,
+    or None; ``built``: torch has cuDNN (``torch.backends.cudnn.is_available()``)."""
+    if not built:
+        return "torch built with cuDNN (torch.backends.cudnn.is_available())"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16/bf16 inputs (got {dtype})"
+    if head_dim % 8 or not 0 < head_dim <= CUDNN_MAX_HEAD_DIM:
+        return f"a head dim <= {CUDNN_MAX_HEAD_DIM} and a multiple of 8 (got {head_dim})"
+    if not (8, 0) <= capability <= (12, 1):
+        return f"sm_80 to sm_121 (got sm_{capability[0]}{capability[1]})"
+    return None
+
+
 def cuda_op(q: torch.Tensor) -> AttnOp:
     """The op for CUDA queries ``q`` [B, H, L, D]: ``flash_op`` where it runs, else ``efficient_op``."""
     capability = torch.cuda.get_device_capability(q.device)
@@ -118,6 +162,13 @@ def attend_torch(
         def op(q, k, v, scale):
             return masked_efficient_op(q, k, v, scale, bias)
     op = op or cuda_op(work[0][0])
+    if op is cudnn_op and k.shape[2] < 2:  # cuDNN takes no K/V of length 1
+        log_once(logger, "kernel-cudnn-one-key", "kernel cudnn: cuDNN attention takes no K/V of "
+                 "length 1; such calls run on the torch backend's op")
+        op = cuda_op(work[0][0])
+    if op is cudnn_op and (k.shape[0] > CUDNN_MAX_BATCH_HEADS or k.shape[1] > CUDNN_MAX_BATCH_HEADS):
+        raise ValueError(f"kernel cudnn: cuDNN attention takes at most {CUDNN_MAX_BATCH_HEADS} "
+                         f"batch entries and heads, got B={k.shape[0]}, H={k.shape[1]}")
     for q, state in work:
         out, lse = op(_unit_last(q), k, v, scale)  # [B, H, Lq, D], [B, H, >= Lq]
         Lq = q.shape[2]

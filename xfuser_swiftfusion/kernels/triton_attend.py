@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -277,24 +277,50 @@ def _launch_config(device: torch.device, head_dim: int, q_lengths: Sequence[int]
     return SAFE_CONFIG if (device.index, cfg) in _rejected else cfg
 
 
-def attend_triton(
+@dataclass
+class _Plan:
+    """One launch of the kernel: the chunk table (host rows), its sizes and constants, and the
+    tensors whose addresses it holds."""
+
+    rows: list[int]
+    n_q: int
+    n_kv: int
+    scale: float
+    dtype: torch.dtype
+    D: int
+    B: int
+    H: int
+    cfg: KernelConfig
+    finalizing: bool
+    interp: bool
+    device: torch.device
+    rep: int
+    keep: list[torch.Tensor]
+
+    def table(self, cfg: KernelConfig) -> tuple[torch.Tensor, int]:
+        """The chunk table on the device for ``cfg``'s query tiles, and the number of tiles."""
+        n_tiles = _set_first_tiles(self.rows, self.n_q, cfg.block_m)
+        return torch.tensor(self.rows, dtype=torch.int64).to(self.device, non_blocking=True), n_tiles
+
+    def launch(self, table: torch.Tensor, n_tiles: int, cfg: KernelConfig) -> None:
+        _multi_chunk_attn_kernel[(n_tiles, self.B, self.H)](
+            table, self.n_q, self.n_kv, self.scale,
+            DTYPE=_TL_DTYPES[self.dtype], HEAD_DIM=self.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            FINALIZE=self.finalizing, UPCAST=self.interp, REP=self.rep,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+
+def _plan(
     q_chunks: Sequence[torch.Tensor],
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
     states: Sequence[AttnState],
     scale: float,
-    out: Sequence[torch.Tensor] | None = None,
-    cfg: KernelConfig | None = None,
-) -> None:
-    """Update ``states`` (and write ``out`` when given) in ONE kernel launch.
-
-    q_chunks[i]: [B, H, Lq_i, D]; kv_chunks[j]: (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing
-    H; query head h reads K/V head h // (H / H_kv), no copy); all one dtype
-    (fp16/bf16 on GPU; fp32 too under the interpreter); D in {32, 64, 128}. Inputs that are
-    not kernel-ready (see ``_kernel_ready``) are copied; ``states[i].acc`` and ``out[i]``
-    ([B, H, Lq_i, D], query dtype, receives acc / l) are written in place, so they must be
-    kernel-ready or a ValueError is raised. ``cfg`` overrides the launch configuration
-    (default: ``pick_config`` for the device and grid; small tiles under the interpreter).
-    """
+    out: Sequence[torch.Tensor] | None,
+    cfg: KernelConfig | None,
+) -> _Plan | None:
+    """Check the inputs and build the launch; None when there is nothing to launch (no query
+    rows, or no keys: then the outputs, if asked for, are written from the states here)."""
     dtype = q_chunks[0].dtype
     B, H, _, D = q_chunks[0].shape
     device = q_chunks[0].device
@@ -324,7 +350,7 @@ def attend_triton(
             if o.dtype != dtype:
                 raise TypeError(f"triton backend writes outputs in the query dtype {dtype}, got {o.dtype}")
             _check_in_place(o, "the output")
-        keep += [q, o]
+        keep += [q, o, s.acc, s.m, s.l]
         rows += [q.data_ptr(), *_strides(q), s.acc.data_ptr(), *_strides(s.acc)]
         rows += [s.m.data_ptr(), *_strides(s.m), s.l.data_ptr(), *_strides(s.l)]
         rows += [o.data_ptr(), *_strides(o), Lq, -1]  # first tile: filled in by _set_first_tiles
@@ -337,24 +363,66 @@ def attend_triton(
         rows += [k.data_ptr(), *_strides(k), v.data_ptr(), *_strides(v), k.shape[2]]
         n_kv += 1
     if n_q == 0 or B * H == 0:
-        return
+        return None
     heads_kv = {k.shape[1] for k, _ in kv_chunks}
     if len(heads_kv) > 1 or any(H % x for x in heads_kv):
         raise ValueError(f"triton backend needs one K/V head count dividing H={H}, got {sorted(heads_kv)}")
-    rep = H // heads_kv.pop() if heads_kv else 1
-    gqa = {"rep": rep} if rep > 1 else {}  # REP = H / H_kv, a kernel constant
+    rep = H // heads_kv.pop() if heads_kv else 1  # REP = H / H_kv, a kernel constant
     if n_kv == 0:  # nothing to attend to: the states stay as they are
         for s, o in zip(states, out or []):
             finalize(s, dtype, o)
+        return None
+    return _Plan(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, out is not None, interp, device, rep, keep)
+
+
+def attend_triton(
+    q_chunks: Sequence[torch.Tensor],
+    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    states: Sequence[AttnState],
+    scale: float,
+    out: Sequence[torch.Tensor] | None = None,
+    cfg: KernelConfig | None = None,
+) -> None:
+    """Update ``states`` (and write ``out`` when given) in ONE kernel launch.
+
+    q_chunks[i]: [B, H, Lq_i, D]; kv_chunks[j]: (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing
+    H; query head h reads K/V head h // (H / H_kv), no copy); all one dtype
+    (fp16/bf16 on GPU; fp32 too under the interpreter); D in {32, 64, 128}. Inputs that are
+    not kernel-ready (see ``_kernel_ready``) are copied; ``states[i].acc`` and ``out[i]``
+    ([B, H, Lq_i, D], query dtype, receives acc / l) are written in place, so they must be
+    kernel-ready or a ValueError is raised. ``cfg`` overrides the launch configuration
+    (default: ``pick_config`` for the device and grid; small tiles under the interpreter).
+    """
+    plan = _plan(q_chunks, kv_chunks, states, scale, out, cfg)
+    if plan is None:
         return
     try:
-        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg, out is not None, interp, device, **gqa)
+        plan.launch(*plan.table(plan.cfg), plan.cfg)
     except OutOfResources:  # raised before anything runs
-        if interp or cfg == SAFE_CONFIG:
+        if plan.interp or plan.cfg == SAFE_CONFIG:
             raise
-        _rejected.add((device.index, cfg))
-        _launch(rows, n_q, n_kv, scale, dtype, D, B, H, SAFE_CONFIG, out is not None, interp, device, **gqa)
-    del keep  # freed memory is reused only by work queued after this launch on the stream
+        _rejected.add((plan.device.index, plan.cfg))
+        plan.launch(*plan.table(SAFE_CONFIG), SAFE_CONFIG)
+    del plan  # freed memory is reused only by work queued after this launch on the stream
+
+
+def prepare_triton(
+    q_chunks: Sequence[torch.Tensor],
+    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    states: Sequence[AttnState],
+    scale: float,
+    out: Sequence[torch.Tensor] | None = None,
+    cfg: KernelConfig | None = None,
+) -> Callable[[], None]:
+    """``attend_triton``'s launch prepared once: its inputs checked, its chunk table built and
+    uploaded; each call of the result is the kernel launch alone (the launch that timing
+    compares with other kernels; each merges into ``states`` again). ``cfg``: as
+    ``attend_triton`` (by default the configuration this device accepts)."""
+    plan = _plan(q_chunks, kv_chunks, states, scale, out, cfg)
+    if plan is None:
+        raise ValueError("prepare_triton: nothing to launch (no query rows or no keys)")
+    table, n_tiles = plan.table(plan.cfg)
+    return lambda: plan.launch(table, n_tiles, plan.cfg)
 
 
 def _set_first_tiles(rows: list[int], n_q: int, block_m: int) -> int:
@@ -365,19 +433,6 @@ def _set_first_tiles(rows: list[int], n_q: int, block_m: int) -> int:
         rows[i * NQF.value + F_TILE0.value] = n_tiles
         n_tiles += triton.cdiv(rows[i * NQF.value + F_LQ.value], block_m)
     return n_tiles
-
-
-def _launch(rows, n_q, n_kv, scale, dtype, D, B, H, cfg: KernelConfig, finalizing: bool, interp: bool, device,
-            rep: int = 1) -> None:
-    """One launch of the kernel over the chunk table ``rows`` with configuration ``cfg``."""
-    n_tiles = _set_first_tiles(rows, n_q, cfg.block_m)
-    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    _multi_chunk_attn_kernel[(n_tiles, B, H)](
-        table, n_q, n_kv, scale,
-        DTYPE=_TL_DTYPES[dtype], HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        FINALIZE=finalizing, UPCAST=interp, REP=rep,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,8 +42,6 @@ layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.distributed as dist
 
@@ -245,9 +243,11 @@ class OneSidedTorusOps(TorusOps):
 
 
 def _nvshmem_missing_anywhere() -> list[int]:
-    """Ranks without nvshmem4py (decided together: one rank alone falling back would hang)."""
+    """Ranks where ``import nvshmem.core`` fails (decided together: one rank alone falling back
+    would hang)."""
+    from ..comm.nvshmem import nvshmem_import_error
     missing = [None] * dist.get_world_size()
-    dist.all_gather_object(missing, importlib.util.find_spec("nvshmem") is None)
+    dist.all_gather_object(missing, nvshmem_import_error() is not None)
     return [r for r, m in enumerate(missing) if m]
 
 
@@ -258,9 +258,9 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
         missing = _nvshmem_missing_anywhere()
         if missing:
             log_once(logger, "fallback-swiftfusion-nvshmem",
-                     "swiftfusion: comm='auto' needs NVSHMEM on GPUs but nvshmem4py is not "
-                     f"installed on ranks {missing} (pip install nvshmem4py-cu13); running "
-                     "'torus' (two-sided) instead")
+                     "swiftfusion: comm='auto' needs NVSHMEM on GPUs but `import nvshmem.core` "
+                     f"fails on ranks {missing} (pip install nvshmem4py-cu13; it needs cuda-core "
+                     ">= 0.5 and cuda-pathfinder); running 'torus' (two-sided) instead")
             return get("torus").build(a)
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)

@@ -51,6 +51,20 @@ def _is_patched(fn: object) -> bool:
     return bool(getattr(fn, _PATCHED_ATTR, False))
 
 
+def patch_envs_cuda_build_without_gpu(envs: ModuleType) -> None:
+    """A CUDA build of torch on a machine without a GPU (``torch.version.cuda`` set, no driver):
+    xfuser.envs._is_cuda() says True, so xFuser calls torch.cuda.set_device and picks NCCL;
+    report False, as a CPU build of torch does (``apply`` runs only without CUDA)."""
+    original = envs._is_cuda
+    if _is_patched(original):
+        return
+
+    def _is_cuda() -> bool:
+        return original() and torch.cuda.is_available()
+
+    envs._is_cuda = _mark(_is_cuda, original)
+
+
 def patch_envs_device_version(envs: ModuleType) -> None:
     """xfuser.envs.get_device_version() raises "No Accelerators" on CPU (breaking `import xfuser`
     via envs.CUDA_VERSION); return None there, as it already does for MPS/NPU."""
@@ -164,7 +178,8 @@ def patch_sdpa_flash_backend_cpu(attention_backend: ModuleType) -> None:
 
 
 def patch_runtime_state_backend_selection(runtime_state: ModuleType) -> None:
-    """RuntimeState picks SDPA on CPU, which returns no LSE (USP's ring then fails); pick
+    """RuntimeState picks SDPA on CPU, which returns no LSE (USP's ring then fails), or CUDNN
+    with a CUDA build of torch on a machine without a GPU (cuDNN is "available" there); pick
     SDPA_FLASH (torch's CPU flash kernel, with LSE) when no backend was requested and there is
     no CUDA."""
     cls = runtime_state.RuntimeState
@@ -176,7 +191,7 @@ def patch_runtime_state_backend_selection(runtime_state: ModuleType) -> None:
     def _select_attention_backend(self, engine_config=None):
         backend = original(self, engine_config)
         explicit = bool(engine_config and engine_config.runtime_config.attention_backend)
-        if (not explicit and backend == backend_type.SDPA
+        if (not explicit and backend in (backend_type.SDPA, backend_type.CUDNN)
                 and not torch.cuda.is_available()):
             return backend_type.SDPA_FLASH
         return backend
@@ -327,7 +342,8 @@ def patch_runner_main(base_model: ModuleType) -> None:
 
 # module name -> patches to run right after the module body has executed (CPU only)
 _HOOKS: dict[str, tuple[Callable[[ModuleType], None], ...]] = {
-    "xfuser.envs": (patch_envs_device_version, patch_envs_distributed_backend,
+    "xfuser.envs": (patch_envs_cuda_build_without_gpu, patch_envs_device_version,
+                    patch_envs_distributed_backend,
                     patch_envs_long_ctx_check, patch_envs_gpu_arch),
     "xfuser.core.distributed.attention_backend": (patch_sdpa_flash_backend_cpu,),
     "xfuser.core.distributed.runtime_state": (patch_runtime_state_backend_selection,),

@@ -2,31 +2,41 @@
 it runs on, as one pass/fail table with the figures.
 
 Stages, in this order (each a process of its own under a timeout, so a crash, a hang or a
-poisoned CUDA context costs one stage; a global budget skips what no longer fits):
+poisoned CUDA context costs one stage; a global budget skips what no longer fits and cuts a
+stage that would run past it: a SKIP row, not a failure):
 
 ====================  =================================================================
-env                   GPU, driver, CUDA, package versions
+env                   GPU, driver, CUDA, package versions (cuda-core, cuda-bindings,
+                      cuda-pathfinder, nvshmem4py and whether ``nvshmem.core`` imports)
 numerics              triton kernel vs fp64 over random chunkings (empty chunks, ragged
                       lengths, state carried across two launches, grouped K/V, NaN-poisoned
-                      outputs), D 32/64/128, bf16/fp16, finalize on/off; auto's kernel for
-                      other head dims and fp32
-speed                 TFLOP/s of the Torus launches (Flux 3072/4096 px, CogVideoX 5B on 4x8)
-                      next to torch's flash attention (and flash-attn where installed)
+                      outputs), D 32/64/128, bf16/fp16, finalize on/off; cuDNN's attention
+                      (its LSE) at D 64/128; auto's kernel for other head dims and fp32
+speed                 every backend (triton, cudnn, torch flash, flash-attn) on each Torus
+                      launch of Flux 3072/4096 px and CogVideoX 5B on 4x8: ``attend`` per
+                      call, the kernels alone (graph-replayed), one SDPA call over all of it
+replay                rank 0's whole swiftfusion layer of those models on this GPU, remote
+                      transfers as device copies: GPU vs host time per layer per backend,
+                      CUDA-graph replay, xFuser's USP-equivalent single kernel
 nvshmem               the nvshmem communicator: init from the process group, put/get of
-                      slices, barriers, team calls, close, init again, a timeout that returns
+                      slices, barriers, team calls, close, a second communicator on the same
+                      instance, a timeout that returns
 strategies            ``swiftfusion check`` on every visible GPU (torchrun): every strategy vs
-                      single-device attention, bf16/fp32, with and without text tokens
-ncu                   Nsight Compute on the slowest launch of ``speed``
-sanitizer             compute-sanitizer memcheck and racecheck on one launch of each kernel
-                      configuration
+                      single-device attention, bf16/fp32, with and without text tokens, one
+                      row per strategy
 compile               torch.compile around ``ctx.attention``; xFuser's runner with
                       ``--use_torch_compile`` (reduce-overhead: CUDA graphs) on tiny FLUX.1
-pe-probe              several NVSHMEM PEs on one GPU (raw nvshmem4py), plain and under MPS
+sanitizer             compute-sanitizer memcheck and racecheck on one launch of each kernel
+                      configuration (kernel errors; CUDA API errors torch handles are not)
+ncu                   Nsight Compute on the launch of ``speed`` with the most FLOPs
+pe-probe              several NVSHMEM PEs on one GPU (raw nvshmem4py), plain and under a
+                      private MPS daemon, in what is left of the budget
 ====================  =================================================================
 
-Output: the table on stdout, and under ``--out`` five files: ``gpu-suite.md`` (table),
+Output: the table on stdout, and under ``--out`` six files: ``gpu-suite.md`` (table),
 ``gpu-suite.json`` (rows with every figure), ``rows.jsonl`` (the same, written as the rows
-come: what a killed run leaves), ``gpu-suite.log`` (every stage's output), ``ncu.csv``.
+come: what a killed run leaves), ``gpu-suite.log`` (every stage's output), ``ncu.csv`` and
+``kernel-table.json`` (the measured kernel choice of this GPU, ``kernels/choice.py``'s format).
 Scratch files (the sanitizer's and ncu's inner rows, the MPS daemon's pipes) live in a
 temporary folder, removed at the end.
 """
@@ -44,13 +54,14 @@ from dataclasses import asdict
 
 from .report import RowWriter, format_table, read_rows, summary
 
-# most telling per second first: under a tight --budget the probe and the slow compiles go
-STAGES = ("env", "numerics", "speed", "nvshmem", "strategies", "ncu", "sanitizer", "compile",
-          "pe-probe")
-TIMEOUT_S = {"env": 60, "numerics": 180, "strategies": 240, "nvshmem": 90, "pe-probe": 150,
-             "compile": 300, "speed": 180, "sanitizer": 300, "ncu": 150}
+# most telling per second first: under a tight --budget the probe and the slow tools go
+STAGES = ("env", "numerics", "speed", "replay", "nvshmem", "strategies", "compile", "sanitizer",
+          "ncu", "pe-probe")
+TIMEOUT_S = {"env": 60, "numerics": 180, "speed": 180, "replay": 180, "nvshmem": 90,
+             "strategies": 240, "compile": 300, "sanitizer": 300, "ncu": 150, "pe-probe": 150}
 MIN_STAGE_S = 20  # a stage with less budget left than this is skipped
-CUDA_ONLY = ("nvshmem", "pe-probe", "speed", "sanitizer", "ncu")
+CUDA_ONLY = ("nvshmem", "pe-probe", "sanitizer", "ncu")
+FILES = ("gpu-suite.md", "gpu-suite.json", "rows.jsonl", "gpu-suite.log", "ncu.csv", "kernel-table.json")
 
 
 def _module(stage: str, rows: str, quick: bool, *extra: str) -> list[str]:
@@ -81,11 +92,19 @@ class Suite:
     def add(self, stage: str, case: str, result: str, figure: str, **data) -> None:
         RowWriter(self.rows_path, stage).add(case, result, figure, **data)
 
+    def _log(self, text: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(text)
+
     def run(self, stage: str, cmd: list[str], timeout_s: float, env: dict | None = None,
-            case: str = "(stage)", ok: tuple[int, ...] = (0,)) -> tuple[int | None, str]:
-        """Run ``cmd``; its output goes to the log. A timeout or an exit status not in ``ok``
-        is a FAIL row with the last lines of the output. Returns (exit status or None, output)."""
-        timeout_s = min(timeout_s, self.left())
+            case: str = "(stage)", ok: tuple[int, ...] = (0,), record: bool = True
+            ) -> tuple[int | None, str]:
+        """Run ``cmd`` (at most ``timeout_s``, and no longer than the budget); its output goes to
+        the log. Returns (exit status, or None when it was stopped, and the output). With
+        ``record``, an exit status not in ``ok`` or the stage's own timeout is a FAIL row with
+        the last lines of the output, and a stop at the end of the budget a SKIP row."""
+        budget_cut = self.left() < timeout_s
+        timeout_s = max(0.0, min(timeout_s, self.left()))
         start = time.monotonic()
         # a session of its own: a timeout ends the stage's children too (torchrun's workers)
         proc = subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.PIPE,
@@ -98,13 +117,15 @@ class Suite:
             output, _ = proc.communicate()
             rc = None
         seconds = time.monotonic() - start
-        with open(self.log_path, "a") as log:
-            log.write(f"\n===== {stage} {case}: {' '.join(cmd)}\n{output}\n===== exit {rc}, "
-                      f"{seconds:.1f} s\n")
-        if rc not in ok:
+        self._log(f"\n===== {stage} {case}: {' '.join(cmd)}\n{output}\n===== exit {rc}, {seconds:.1f} s\n")
+        if record and rc not in ok:
             tail = " / ".join(line.strip() for line in output.strip().splitlines()[-3:])
-            what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exit {rc}"
-            self.add(stage, case, "FAIL", f"{what}: {tail}"[:400], seconds=seconds)
+            if rc is None and budget_cut:
+                self.add(stage, case, "SKIP", f"budget: stopped after {seconds:.0f} s, at the "
+                         f"end of the suite's budget: {tail}"[:400], seconds=seconds, budget=True)
+            else:
+                what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exit {rc}"
+                self.add(stage, case, "FAIL", f"{what}: {tail}"[:400], seconds=seconds)
         return rc, output
 
     # -- the stages ------------------------------------------------------------------------
@@ -127,6 +148,8 @@ class Suite:
             self.run(name, _module(name, self.rows_path, self.quick), TIMEOUT_S[name])
 
     def pe_probe(self, world: int = 2) -> None:
+        """Two raw NVSHMEM PEs on one GPU, then the same under a private MPS daemon; every wait
+        (the PEs, the daemon's start and stop) within what is left of the budget."""
         from .symmetric import mps_available, mps_env
         self._probe("2 PEs on one GPU", world, self.env)
         control = mps_available()
@@ -134,23 +157,41 @@ class Suite:
             self.add("pe-probe", "2 PEs on one GPU under MPS", "SKIP",
                      "nvidia-cuda-mps-control not found")
             return
+        if self.left() < MIN_STAGE_S:
+            self.add("pe-probe", "2 PEs on one GPU under MPS", "SKIP",
+                     f"budget: {max(0.0, self.left()):.0f} s left")
+            return
         root = os.path.join(self.scratch, "mps")
         env = dict(self.env, **mps_env(root))
         for d in mps_env(root).values():
             os.makedirs(d, exist_ok=True)
-        started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        try:
+            started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True,
+                                     timeout=max(1.0, min(30.0, self.left())))
+        except subprocess.TimeoutExpired:
+            self.add("pe-probe", "MPS daemon", "INFO", "did not start within the time left")
+            self._stop_mps(control, env)
+            return
         if started.returncode:
             self.add("pe-probe", "MPS daemon", "INFO", f"did not start: {started.stderr.strip()[:200]}")
             return
         try:
             self._probe("2 PEs on one GPU under MPS", world, env)
         finally:
-            subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
+            self._stop_mps(control, env)
+
+    def _stop_mps(self, control: str, env: dict) -> None:
+        timeout_s = max(1.0, min(10.0, self.left()))
+        try:
+            subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True,
+                           timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.add("pe-probe", "MPS daemon", "INFO", f"did not answer 'quit' within {timeout_s:.0f} s")
 
     def _probe(self, label: str, world: int, env: dict) -> None:
         from ...emulation.launcher import free_port
         port = free_port()
-        timeout_s = min(60.0, self.left())
+        timeout_s = max(1.0, min(60.0, self.left()))
         with open(self.log_path, "a") as log:
             log.write(f"\n===== pe-probe {label}\n")
             log.flush()
@@ -169,8 +210,14 @@ class Suite:
                     self.add("pe-probe", f"{label} (rank {r})", "INFO",
                              f"no answer within {timeout_s:.0f} s (killed)")
 
+    def _sm(self) -> int:
+        """The GPU's SM version from the env stage's row (0 when unknown)."""
+        gpu = [r for r in read_rows(self.rows_path) if r.stage == "env" and r.case == "gpu"]
+        return int(gpu[-1].data.get("sm", 0)) if gpu else 0
+
     def sanitizer(self) -> None:
-        from .tools import SANITIZER_TOOLS, find, sanitizer_command, sanitizer_errors
+        from .tools import (SANITIZER_TOOLS, find, racecheck_is_information, sanitizer_command,
+                            sanitizer_errors)
         exe = find("compute-sanitizer")
         if exe is None:
             self.add("sanitizer", "(stage)", "SKIP", "compute-sanitizer not found")
@@ -182,46 +229,81 @@ class Suite:
                                   TIMEOUT_S["sanitizer"] / len(SANITIZER_TOOLS), env=env, case=tool,
                                   ok=(0, 9))  # 9: the tool found errors (--error-exitcode)
             if rc not in (0, 9):
-                continue  # a FAIL row says why
+                continue  # a FAIL or SKIP row says why
             errors = sanitizer_errors(output)
             launches = read_rows(inner)
-            bad = [r.case for r in launches if r.result != "PASS"]
+            bad = [r.case for r in launches if r.result not in ("PASS", "SKIP")]
             if errors is None:
                 self.add("sanitizer", tool, "FAIL", "no summary line in its output (gpu-suite.log)")
                 continue
-            self.add("sanitizer", tool, "PASS" if errors == 0 and rc == 0 and launches and not bad else "FAIL",
-                     f"{errors} errors over {len(launches)} launches"
-                     + (f"; wrong results: {', '.join(bad)}" if bad else ""),
-                     errors=errors, launches=[r.case for r in launches])
+            figure = (f"{errors} kernel errors over {len(launches)} launches"
+                      + (f"; wrong results: {', '.join(bad)}" if bad else ""))
+            passed = errors == 0 and launches and not bad
+            if not passed and not bad and tool == "racecheck" and racecheck_is_information(self._sm()):
+                self.add("sanitizer", tool, "INFO", figure + " (information on sm_90 and newer, "
+                         "where the kernel's pipelined loads are asynchronous copies: read the "
+                         "hazards in gpu-suite.log)", errors=errors, launches=[r.case for r in launches])
+                continue
+            self.add("sanitizer", tool, "PASS" if passed else "FAIL", figure, errors=errors,
+                     launches=[r.case for r in launches])
 
     def ncu(self) -> None:
-        from .tools import find, ncu_command, ncu_metrics, NCU_SUMMARY
+        from .tools import NCU_SUMMARY, find, ncu_command, ncu_metrics
         exe = find("ncu")
         if exe is None:
             self.add("ncu", "(stage)", "SKIP", "ncu not found")
             return
-        speed = [r for r in read_rows(self.rows_path) if r.stage == "speed" and "tflops" in r.data]
+        speed = [r for r in read_rows(self.rows_path) if r.stage == "speed" and "flops" in r.data
+                 and not r.data.get("stand_in")]
         if not speed:
-            self.add("ncu", "(stage)", "SKIP", "no speed rows to pick the slowest launch from")
+            self.add("ncu", "(stage)", "SKIP", "no speed rows to pick the launch from")
             return
-        slowest = min(speed, key=lambda r: r.data["tflops"]["triton"])
+        largest = max(speed, key=lambda r: r.data["flops"])
         program = _module("one-launch", os.path.join(self.scratch, "one-launch.jsonl"), False,
-                          "--launch", json.dumps(slowest.data["launch"]))
-        metrics: dict[str, str] = {}
-        for pipes in (True, False):  # the pipe metrics' names may not exist on this GPU
-            rc, output = self.run("ncu", ncu_command(exe, program, pipes), TIMEOUT_S["ncu"] / 2,
-                                  case="pipes" if pipes else "sections")
-            metrics = ncu_metrics(output)
-            if rc == 0 and metrics:
-                with open(os.path.join(self.out, "ncu.csv"), "w") as f:
-                    f.write(output[output.find('"ID"'):])
-                break
+                          "--launch", json.dumps(largest.data["launch"]))
+        rc, output = self.run("ncu", ncu_command(exe, program, True), TIMEOUT_S["ncu"] / 2,
+                              case="pipes", record=False)  # pipe metric names differ by GPU
+        metrics = ncu_metrics(output) if rc == 0 else {}
+        note = ""
+        if not metrics:
+            note = "; pipe metrics not available here (gpu-suite.log)"
+            rc, output = self.run("ncu", ncu_command(exe, program, False), TIMEOUT_S["ncu"] / 2,
+                                  case="sections")
+            metrics = ncu_metrics(output) if rc == 0 else {}
+            if rc == 0 and not metrics:
+                self.add("ncu", largest.case, "FAIL", "no metrics in ncu's output (gpu-suite.log)")
         if not metrics:
             return
+        with open(os.path.join(self.out, "ncu.csv"), "w") as f:
+            f.write(output[output.find('"ID"'):])
         shown = {k: metrics[k] for k in NCU_SUMMARY if k in metrics}
         pipes = {k.split("__")[1].split(".")[0]: v for k, v in metrics.items() if k.startswith("sm__pipe")}
-        self.add("ncu", slowest.case, "INFO", "; ".join(f"{k} {v}" for k, v in {**shown, **pipes}.items()),
-                 metrics=metrics)
+        self.add("ncu", largest.case, "INFO", "; ".join(f"{k} {v}" for k, v in {**shown, **pipes}.items())
+                 + note, metrics=metrics)
+
+
+def write_kernel_table(rows: list, path: str) -> bool:
+    """``kernel-table.json`` from the speed stage's rows: per architecture and shape, the
+    backends ordered by their summed ``attend`` time over the launches (``choice.py``'s
+    format). Returns whether there was anything to write."""
+    from ...kernels.choice import table_document
+    entries: dict[str, dict[str, dict[str, float]]] = {}
+    for r in rows:
+        if r.stage != "speed" or "attend_ms" not in r.data:
+            continue
+        shape = entries.setdefault(r.data["arch"], {}).setdefault(r.data["shape"], {})
+        for name, ms in r.data["attend_ms"].items():
+            shape[name] = shape.get(name, 0.0) + ms
+    if not entries:
+        return False
+    doc = None
+    for arch, shapes in entries.items():
+        one = table_document(arch, shapes, "swiftfusion check --gpu-suite, speed stage: attend "
+                             "milliseconds summed over the Torus launches of each shape")
+        doc = one if doc is None else {**doc, "archs": {**doc["archs"], **one["archs"]}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return True
 
 
 def run_suite(out: str, stages: tuple[str, ...] = STAGES, quick: bool = False,
@@ -239,7 +321,7 @@ def run_suite(out: str, stages: tuple[str, ...] = STAGES, quick: bool = False,
         print(f"error: unknown stage {', '.join(unknown)}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
-    for name in ("rows.jsonl", "gpu-suite.log"):
+    for name in FILES:
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     suite = Suite(out, quick, budget_s, cuda, torch.cuda.device_count() if cuda else 1)
@@ -250,18 +332,22 @@ def run_suite(out: str, stages: tuple[str, ...] = STAGES, quick: bool = False,
                 continue
             start = time.monotonic()
             before = len(read_rows(suite.rows_path))
-            suite.stage(name)
+            try:
+                suite.stage(name)
+            except Exception as exc:  # noqa: BLE001  (one stage's error costs that stage only)
+                suite.add(name, "(stage)", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
             new = read_rows(suite.rows_path)[before:]
             print(f"[{i}/{len(stages)}] {name:<10} {time.monotonic() - start:6.1f} s  {summary(new)}",
                   flush=True)
     finally:
         suite.close()
-    rows = read_rows(suite.rows_path)
-    table = format_table(rows)
-    with open(os.path.join(out, "gpu-suite.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(out, "gpu-suite.json"), "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=1, default=str)
+        rows = read_rows(suite.rows_path)
+        write_kernel_table(rows, os.path.join(out, "kernel-table.json"))
+        table = format_table(rows)
+        with open(os.path.join(out, "gpu-suite.md"), "w") as f:
+            f.write(table + "\n")
+        with open(os.path.join(out, "gpu-suite.json"), "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1, default=str)
     print(table)
     print(f"gpu suite: {summary(rows)}; files in {out}")
     return 1 if any(r.result == "FAIL" for r in rows) else 0

@@ -12,8 +12,8 @@ import torch
 
 from .report import RowWriter
 
-IN_PROCESS = ("env", "numerics", "launches", "one-launch", "speed", "strategies", "nvshmem",
-              "compile", "pe-probe")
+IN_PROCESS = ("env", "numerics", "launches", "one-launch", "speed", "replay", "strategies",
+              "nvshmem", "nvshmem-smoke", "compile", "pe-probe")
 
 
 def _device() -> torch.device:
@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             w.add(f"{args.label} (rank {args.rank})", "INFO",
                   f"refused: {type(exc).__name__}: {exc}"[:400])
         return 0
-    if args.stage in ("strategies", "nvshmem", "compile"):
+    if args.stage in ("strategies", "nvshmem", "nvshmem-smoke", "compile"):
         paths.single_process_env()
     device = _device()
+    if args.stage in ("nvshmem", "nvshmem-smoke"):
+        return _nvshmem(args.stage, w, device)
     if args.stage == "env":
         paths.env(w, device)
     elif args.stage == "numerics":
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         kernel.run_launch(kernel.Launch(**spec), torch.bfloat16, device)
     elif args.stage == "speed":
         kernel.speed(w, device, args.quick)
+    elif args.stage == "replay":
+        from . import replay
+        replay.replay(w, device, args.quick)
     elif args.stage == "strategies":
         import torch.distributed as dist
         paths.strategies(w, args.quick)
@@ -70,19 +75,35 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "compile":
         paths.compiled_attention(w, device)
         paths.runner(w, args.quick)
-    elif args.stage == "nvshmem":
-        if device.type != "cuda":
-            w.add("nvshmem", "SKIP", "needs a CUDA device")
-            return 0
-        from ...distributed import init_distributed_from_env
-        init_distributed_from_env()
-        symmetric.lifecycle(w)
-        symmetric.timeout_path(w)
-        # NVSHMEM is left failed on purpose by the timeout check: leave without its teardown
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return 0
+
+
+def _nvshmem(stage: str, w: RowWriter, device: torch.device) -> int:
+    """``nvshmem``: the communicator's checks, then the timeout path (NVSHMEM is left failed on
+    purpose: the process leaves without its teardown). ``nvshmem-smoke``: init, a round trip,
+    close, and a normal exit, which finalizes NVSHMEM (exit status 1 if any of it failed)."""
+    from ...comm.nvshmem import nvshmem_import_error
+    from . import symmetric
+    if device.type != "cuda":
+        w.add("(stage)", "SKIP", "needs a CUDA device")
+        return 0 if stage == "nvshmem" else 1
+    error = nvshmem_import_error()
+    if error is not None and stage == "nvshmem":
+        w.add("(stage)", "SKIP", f"nvshmem.core does not import: {error}"[:300])
+        return 0
+    from ...distributed import init_distributed_from_env
+    init_distributed_from_env()
+    if stage == "nvshmem-smoke":
+        import torch.distributed as dist
+        ok = symmetric.smoke(w)
+        dist.destroy_process_group()
+        print(f"nvshmem smoke test: {'ok' if ok else 'FAILED'} (finalize follows at exit)", flush=True)
+        return 0 if ok else 1
+    symmetric.lifecycle(w)
+    symmetric.timeout_path(w)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ on every visible GPU, a compiled model around ``ctx.attention`` and xFuser's run
 ``--use_torch_compile`` (``mode="reduce-overhead"``: inductor's CUDA graphs on a GPU)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
 import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import torch
@@ -14,8 +17,9 @@ import torch.distributed as dist
 
 from .report import RowWriter
 
-PACKAGES = ("torch", "triton", "xfuser", "yunchang", "diffusers", "nvshmem4py-cu13",
-            "nvidia-nvshmem-cu13", "flash-attn", "xfuser-swiftfusion")
+PACKAGES = ("torch", "triton", "numpy", "xfuser", "yunchang", "diffusers", "transformers",
+            "nvshmem4py-cu13", "nvidia-nvshmem-cu13", "cuda-core", "cuda-bindings",
+            "cuda-pathfinder", "nvidia-cudnn-cu13", "flash-attn", "xfuser-swiftfusion")
 
 
 def versions() -> dict[str, str]:
@@ -30,11 +34,25 @@ def versions() -> dict[str, str]:
 
 
 def env(w: RowWriter, device: torch.device) -> None:
-    """What ran where: GPU, driver, CUDA, versions (INFO rows)."""
+    """What ran where: GPU, driver, CUDA, cuDNN, versions, where each package was loaded from,
+    whether ``nvshmem.core`` imports and the triton interpreter works (INFO rows)."""
+    from ...comm.nvshmem import nvshmem_import_error
+    from ...kernels.interpret import interpreter_problem
     v = versions()
     w.add("packages", "INFO", ", ".join(f"{k} {x}" for k, x in v.items()), **v)
     w.add("python", "INFO", f"{platform.python_version()} on {platform.machine()}",
-          cpu=platform.processor())
+          cpu=platform.processor(), executable=sys.executable, path=sys.path)
+    where = {m: _origin(m) for m in ("torch", "triton", "numpy", "cuda.core", "cuda.pathfinder",
+                                      "cuda.bindings", "nvshmem", "xfuser", "xfuser_swiftfusion")}
+    w.add("loaded from", "INFO", ", ".join(f"{m} {p}" for m, p in where.items()), **where)
+    error = nvshmem_import_error()
+    w.add("nvshmem.core", "INFO", "imports" if error is None else f"does not import: {error}"[:300],
+          error=error)
+    problem = interpreter_problem()
+    w.add("triton interpreter", "INFO", problem or "usable with this numpy", problem=problem)
+    w.add("cudnn", "INFO", f"torch cuDNN {torch.backends.cudnn.version()}"
+          if torch.backends.cudnn.is_available() else "torch has no cuDNN",
+          version=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     if device.type != "cuda":
         w.add("gpu", "SKIP", "no CUDA device visible")
         return
@@ -46,6 +64,18 @@ def env(w: RowWriter, device: torch.device) -> None:
           cuda=torch.version.cuda, driver=_driver())
 
 
+def _origin(module: str) -> str:
+    """The folder ``module`` is found in ("-" if it is not found)."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return "-"
+    if spec is None or not spec.origin:
+        return "-" if spec is None else str(list(spec.submodule_search_locations or []))
+    return os.path.dirname(os.path.dirname(spec.origin))
+
+
 def _driver() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -55,24 +85,80 @@ def _driver() -> str:
         return "-"
 
 
-def strategies(w: RowWriter, quick: bool = False) -> None:
+USP_FP32_BACKEND = "SDPA_EFFICIENT"  # xFuser's fp32 attention backend with an LSE on CUDA
+
+
+@contextlib.contextmanager
+def xfuser_attention_backend(name: str | None) -> Iterator[None]:
+    """xFuser's runtime state picks attention backend ``name`` (as ``--attention_backend name``
+    does), for the ``usp`` strategies built inside; None: xFuser's own choice."""
+    if name is None:
+        yield
+        return
+    from xfuser.core.distributed import runtime_state as rs
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+    chosen = AttentionBackendType[name]
+    real = rs.RuntimeState._select_attention_backend
+    rs.RuntimeState._select_attention_backend = lambda self, config=None: chosen
+    try:
+        yield
+    finally:
+        rs.RuntimeState._select_attention_backend = real
+
+
+def usp_backend(dtype: str, cuda: bool) -> str | None:
+    """xFuser's attention backend for the strategies that run xFuser's own USP (``usp``, and
+    ``auto`` where it picks ``usp``) in ``dtype``: on CUDA xFuser picks cuDNN attention, which
+    takes fp16/bf16 only, so fp32 runs on ``USP_FP32_BACKEND`` (memory-efficient attention:
+    fp32, with an LSE); None: xFuser's own choice. Strategies of this package never build
+    xFuser's runtime state, so the choice does not touch them."""
+    return USP_FP32_BACKEND if cuda and dtype == "fp32" else None
+
+
+def _runs_xfuser(strategy: str) -> bool:
+    """Whether ``strategy`` runs xFuser's own USP (its spec runs on xFuser's groups)."""
+    from ...strategies.registry import get
+    return get(strategy).external_groups
+
+
+def strategies(w: RowWriter, quick: bool = False, cuda: bool | None = None) -> None:
     """Collective (every torchrun rank; rank 0 writes): every strategy against single-device
-    attention, bf16 and fp32, with and without replicated text tokens."""
+    attention, bf16 and fp32, with and without replicated text tokens; one row per strategy,
+    each strategy in its own try (an error costs its row only: a FAIL, or for fp32 ``usp`` on
+    an xFuser backend that cannot run it, a SKIP naming why). ``cuda``: choose xFuser's
+    backends as on a GPU (default: whether one is visible)."""
     from ...distributed import init_distributed_from_env
     from ...strategies import names
-    from ..check import CheckCase, run_checks
+    from ..check import CheckCase, check_strategy
     init_distributed_from_env()
     world = dist.get_world_size()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     for dtype in ("bf16", "fp32"):
         for joint in ((7,) if quick else (0, 7)):
             case = CheckCase(heads=24, seq_len=1152 if 1152 % world == 0 else 96 * world,
                              head_dim=64, dtype=dtype, joint_tokens=joint)
-            for row in run_checks(list(names()), case, timeout_s=60):
+            for strategy in names():
+                label = f"{strategy} {dtype} text {joint} on {world} GPU" + ("s" if world > 1 else "")
+                xb = usp_backend(dtype, cuda)
+                try:
+                    with xfuser_attention_backend(xb):
+                        row = check_strategy(strategy, case, timeout_s=60)
+                except Exception as exc:  # noqa: BLE001  (a row per strategy; the rest still run)
+                    if dist.get_rank() == 0:
+                        why = f"{type(exc).__name__}: {exc}"[:300]
+                        if xb is not None and _runs_xfuser(strategy):
+                            w.add(label, "SKIP", f"xFuser's {xb} backend cannot run fp32 here "
+                                  f"(its cuDNN default takes fp16/bf16 only): {why}")
+                        else:
+                            w.add(label, "FAIL", why)
+                    continue
                 if dist.get_rank() == 0:
-                    w.check(f"{row.strategy} {dtype} text {joint} on {world} GPU"
-                            + ("s" if world > 1 else ""), row.passed,
-                            f"ran as {row.ran_as} {row.mesh.split(' ')[0]}: max err "
-                            f"{row.max_abs_err:.2e} (tol {row.tolerance:g})", check=asdict(row))
+                    on = xb if xb and _runs_xfuser(row.ran_as) else None
+                    w.check(label, row.passed,
+                            f"ran as {row.ran_as} {row.mesh.split(' ')[0]}"
+                            + (f" on xFuser's {on} backend" if on else "")
+                            + f": max err {row.max_abs_err:.2e} (tol {row.tolerance:g})",
+                            check=asdict(row), xfuser_backend=on)
 
 
 @torch.no_grad()

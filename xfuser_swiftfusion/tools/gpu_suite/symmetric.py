@@ -1,8 +1,10 @@
 """NVSHMEM checks of the GPU suite, through the ``nvshmem`` communicator (nvshmem4py): init
 from the torch process group (the unique id broadcast), symmetric tensors, put/get of slices
-on the transfer streams, barriers and team calls, close (free, finalize) and a second init,
-the timeout path; and a probe of several PEs on one GPU (raw nvshmem4py, outside the
-communicator, which refuses two ranks on one GPU), with and without CUDA MPS."""
+on the transfer streams, barriers and team calls, close (free) and a second communicator on the
+same instance (one NVSHMEM instance per process, finalized at exit), the timeout path; the
+smoke test the GPU command runs first (init, a round trip, close, finalize at exit); and a probe
+of several PEs on one GPU (raw nvshmem4py, outside the communicator, which refuses two ranks on
+one GPU), with and without CUDA MPS."""
 from __future__ import annotations
 
 import os
@@ -56,8 +58,9 @@ def _roundtrip(comm) -> float:
 
 
 def lifecycle(w: RowWriter, kind: str = "nvshmem") -> None:
-    """Init, transfers, barriers, team calls, close, init again (this process's world), on
-    the one-sided backend ``kind``."""
+    """Init, transfers, barriers, team calls, close, a second communicator (this process's
+    world), on the one-sided backend ``kind``. With ``nvshmem`` the second communicator joins
+    the process's NVSHMEM instance: no second init (NVSHMEM is finalized once, at exit)."""
     t0 = time.perf_counter()
     comm = _make(30.0, kind)
     version = kind
@@ -79,13 +82,33 @@ def lifecycle(w: RowWriter, kind: str = "nvshmem") -> None:
         heap = comm.symmetric_heap_bytes()
     finally:
         comm.close()
-    w.add("close (free, finalize)", "PASS", f"{heap} bytes freed")
-    comm = _make(30.0, kind)  # libnvshmem re-initialises after a finalize
+    w.add("close (free buffers and teams)", "PASS", f"{heap} bytes freed")
+    comm = _make(30.0, kind)  # the process's instance, initialised once
     try:
         err = _roundtrip(comm)
-        w.check("init again after finalize", err == 0.0, f"round trip max abs diff {err:g}")
+        w.check("a second communicator after close", err == 0.0, f"round trip max abs diff {err:g}"
+                + (" (the same NVSHMEM instance)" if kind == "nvshmem" else ""))
     finally:
         comm.close()
+
+
+def smoke(w: RowWriter) -> bool:
+    """The GPU command's first check (this process's one-rank world): nvshmem4py imports,
+    NVSHMEM initialises, a round trip of slices is exact, the communicator closes; NVSHMEM is
+    then finalized when the process exits. Returns whether all of that held."""
+    from ...comm.nvshmem import nvshmem_import_error
+    error = nvshmem_import_error()
+    if error is not None:
+        w.add("import nvshmem.core", "FAIL", error[:300])
+        return False
+    comm = _make(30.0)
+    try:
+        err = _roundtrip(comm)
+    finally:
+        comm.close()
+    w.check("init, round trip, close", err == 0.0, f"max abs diff {err:g}; NVSHMEM is finalized "
+            "at exit", err=err)
+    return err == 0.0
 
 
 def timeout_path(w: RowWriter) -> None:

@@ -35,19 +35,36 @@ def find(tool: str) -> str | None:
 
 
 def sanitizer_command(exe: str, tool: str, program: list[str]) -> list[str]:
-    return [exe, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20",
-            "--target-processes", "all", *program]
+    """compute-sanitizer around ``program``: kernel errors only (``--report-api-errors no``:
+    the CUDA API errors torch provokes and handles itself, such as probing for peer access or
+    an unsupported attribute, are not the kernels' errors)."""
+    return [exe, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "9",
+            "--print-limit", "20", "--target-processes", "all", *program]
+
+
+# one report per CUDA API error (when a run reports them): "Program hit cudaErrorX (error N)
+# due to ... on CUDA API call to cuFoo."
+_API_ERROR = re.compile(r"Program hit \w+ \(error \d+\) due to .* on CUDA API call to")
 
 
 def sanitizer_errors(output: str) -> int | None:
-    """The error count of compute-sanitizer's summary line (None: no summary found)."""
+    """The kernel errors of compute-sanitizer's summary line (None: no summary found): its count
+    less the CUDA API errors reported, should a version report them despite
+    ``--report-api-errors no``."""
     m = re.search(r"(?:ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY: (\d+) (?:errors?|hazards?)", output)
     if m is None:
         return None
     if "RACECHECK SUMMARY" in m.group(0):  # "N hazards displayed (E errors, W warnings)"
         e = re.search(r"\((\d+) errors?", output[m.start():])
         return int(e.group(1)) if e else int(m.group(1))
-    return int(m.group(1))
+    return max(0, int(m.group(1)) - len(_API_ERROR.findall(output[:m.start()])))
+
+
+def racecheck_is_information(sm: int) -> bool:
+    """Whether racecheck hazards are information rather than failures on SM version ``sm``:
+    from sm_90 on the kernel's pipelined loads are asynchronous (bulk) copies, whose hazard
+    reports need reading before they count as races."""
+    return sm >= 90
 
 
 def ncu_command(exe: str, program: list[str], pipes: bool = True) -> list[str]:
