@@ -76,3 +76,51 @@ def test_formula_counts_are_not_all_equal():
     """The formulas tell the strategies apart (the test above can fail on a wrong one)."""
     rows = {s: expected(s, 2, 2, 2) for s in ("tas", "torus", "swiftfusion")}
     assert len({tuple(r.values()) for r in rows.values()}) == 3
+
+
+# --- the order of the one-sided transfers -------------------------------------------------
+
+def _one_sided_peers(heads: int) -> list[tuple[str, int]]:
+    """(kind, peer) of every put and get of one swiftfusion call on this rank, in issue order
+    (the ring's gets included), as the communicator receives them."""
+    from xfuser_swiftfusion.emulation.shm import ShmCommunicator
+    x = torch.randn(1, heads, 8, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    seen: list[tuple[str, int]] = []
+    with sf.init_sequence_parallel("swiftfusion", heads, timeout_s=60) as ctx:
+        ctx.attention(x, x, x)  # first call: buffers
+        put, get = ShmCommunicator.put, ShmCommunicator.get
+        ShmCommunicator.put = lambda self, d, s, peer, **kw: seen.append(("put", peer)) or put(self, d, s, peer, **kw)
+        ShmCommunicator.get = lambda self, d, s, peer, **kw: seen.append(("get", peer)) or get(self, d, s, peer, **kw)
+        try:
+            ctx.attention(x, x, x)
+        finally:
+            ShmCommunicator.put, ShmCommunicator.get = put, get
+    return seen
+
+
+@pytest.mark.parametrize("topology,heads", [("2x2", 4), ("2x4", 4)])
+def test_one_sided_transfers_run_in_the_programs_order_and_never_queue_on_one_gpu(topology, heads):
+    """swiftfusion issues its puts and gets to the peers, in the order, of the program the cost
+    model times; and at every position of that order the GPUs of one machine address different
+    GPUs (``machine_order``), so no GPU serves all of its machine's requests at once."""
+    from xfuser_swiftfusion import cost_model
+    from xfuser_swiftfusion.mesh import choose_mesh
+    from xfuser_swiftfusion.strategies import get
+    from xfuser_swiftfusion.strategies.ops import Transfer
+    from xfuser_swiftfusion.topology import Topology
+    topo = Topology.parse(topology)
+    spec = get("swiftfusion")
+    mesh = choose_mesh(topo, heads, spec.placement)
+    programs = cost_model.programs(spec, mesh, cost_model.Workload(1, 8 * topo.world_size, heads, 8, "fp32"))
+    seen = run_emulated(_one_sided_peers, topology, heads, timeout_s=180)
+    for rank, ops in enumerate(programs):
+        planned = [(op.kind, p) for op in ops if isinstance(op, Transfer) and op.kind in ("get", "put")
+                   for p, _ in (op.recvs if op.kind == "get" else op.sends)]
+        assert seen[rank] == planned, (rank, seen[rank], planned)
+    U = mesh.ulysses_intra
+    for machine in range(topo.nodes):
+        ranks = [mesh.rank_of(machine, u, 0) for u in range(U)]
+        remote = [[p for kind, p in seen[x] if kind == "get" and topo.node_of(p) != machine]
+                  for x in ranks]
+        for position in zip(*remote):
+            assert len(set(position)) == U, (machine, remote)

@@ -23,7 +23,8 @@ Rates (docs/cost-model.md):
   queue) instead of concurrently, one FIFO per peer (gloo);
 - ``inter_gpu_bw``: one GPU's own cap on inter-machine traffic per direction (its NIC share);
 - ``one_sided_depth``: transfers of one one-sided queue in flight at once (NVSHMEM's
-  on-stream get/put: 1; the CPU emulation's proxy: ``shm._IN_FLIGHT``).
+  communicator: ``comm.nvshmem.STREAMS_PER_QUEUE`` streams per queue, one transfer each; the
+  CPU emulation's proxy: ``shm._IN_FLIGHT``).
 
 File format (``format: swiftfusion-hardware/1``): the fields above by name, ``attention`` as
 ``{dtype: {D: [[Lq, Lk, flops], ...]}}``, ``transfers`` as ``{kind: {locality: {bw,
@@ -40,6 +41,7 @@ import platform
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .comm.nvshmem import STREAMS_PER_QUEUE
 from .log import get_logger, log_once
 from .strategies.ops import KINDS
 
@@ -170,7 +172,8 @@ def _gpu(name: str, nvlink: float, link: float, nic: float, flops_bf16: float, s
                               "get": one, "put": one},
         attention=attention, attention_bh=16, barrier_s=20e-6, sync_s=10e-6,
         attend_call_s=8e-6, transfer_call_s=8e-6, merge_s_per_elem=0.0, copy_bw=copy_bw,
-        host_cores=None, host_waits=False, two_sided_fifo=True, inter_gpu_bw=nic, source=source)
+        host_cores=None, host_waits=False, two_sided_fifo=True, inter_gpu_bw=nic,
+        one_sided_depth=STREAMS_PER_QUEUE, source=source)
 
 
 GPU_PROFILES = {

@@ -1,4 +1,4 @@
-"""NVSHMEM symmetric heap through nvshmem4py (``pip install nvshmem4py-cu13``; GPU only).
+"""NVSHMEM symmetric heap through nvshmem4py (the ``[cu12]`` / ``[cu13]`` extras; GPU only).
 
 One NVSHMEM instance per process (``_Runtime``), shared by every communicator and finalized
 once, at exit: the first communicator initialises it (collective: every rank's ``(host, GPU
@@ -91,8 +91,9 @@ def nvshmem_modules() -> tuple[ModuleType, ModuleType]:
         import nvshmem.bindings as bindings
         import nvshmem.core as core
     except ImportError as exc:
-        raise RuntimeError("the nvshmem backend needs nvshmem4py: pip install nvshmem4py-cu13 "
-                           f"(import failed: {exc})") from exc
+        raise RuntimeError("the nvshmem backend needs nvshmem4py of your CUDA major with "
+                           "cuda-core >= 0.5: install xfuser-swiftfusion with its [cu12] or [cu13] "
+                           f"extra, docs/install.md (import failed: {exc})") from exc
     return core, bindings
 
 

@@ -58,6 +58,15 @@ from .torus import TorusAttention, TorusOps, torus_ops
 logger = get_logger(__name__)
 
 
+def machine_order(u: int, U: int) -> list[int]:
+    """The order in which GPU ``u`` of a machine addresses the ``U`` GPUs of a machine: its own
+    index first, then the next ones, wrapping (``[u, u+1, ..., U-1, 0, ..., u-1]``). Transfers
+    on one queue run in issue order, so with this order the ``U`` GPUs of a machine reach ``U``
+    different GPUs at every position of their queues instead of all queueing on GPU 0's
+    memory and NIC first."""
+    return [(u + j) % U for j in range(U)]
+
+
 class OneSidedTorusIO:
     """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU)."""
 
@@ -122,7 +131,7 @@ class OneSidedTorusIO:
                 for n, src in srcs.items():
                     staged[n][a].copy_(src[a])
         for n, src in srcs.items():
-            for b in range(U):  # step 2: ScatterPush my slot [t, b] into GPU (t, b, r)'s [t, u]
+            for b in machine_order(u, U):  # step 2: ScatterPush my slot [t, b] into GPU (t, b, r)'s [t, u]
                 self._put(working[n][u], src[t, b], self._peer(t, b), f"Ulysses scatter {n}")
         self.comm.barrier_all(what="barrier 1 (after intra-machine Ulysses scatter)")
 
@@ -136,7 +145,7 @@ class OneSidedTorusIO:
             tp = (t - kk) % T
             return [self.comm.get(dst[b], staged[t, u], self._peer(tp, b), queue="other",
                                   what=f"{what}, {n} from rank {self._peer(tp, b)}")
-                    for n, dst, staged in blocks for b in range(U)]
+                    for n, dst, staged in blocks for b in machine_order(u, U)]
 
         if self.fp8:  # wire slots, dequantized when the stage is waited for
             EQ = {kk: [fp8.Arrival(pull(kk, [("Q", b_["Qr"][(t - kk) % T], b_["Qw"])],
@@ -186,10 +195,10 @@ class OneSidedTorusIO:
         tp = (t - kk) % T
         if self.fp8 and kk:  # across machines: wire slots, into GPU (t', b, r)'s Or[t, u]
             Ow = fp8.quantize_(self.buf["Ow"][tp], self.O.flat[tp])  # [U, slot] -> [U, bytes]
-            for b in range(U):
+            for b in machine_order(u, U):
                 self._put(self.buf["Or"][t, u], Ow[b], self._peer(tp, b), f"Push-O to machine {tp} (fp8)")
             return
-        for b in range(U):  # ScatterPush O[t', b] into GPU (t', b, r)'s Ob[t, u]
+        for b in machine_order(u, U):  # ScatterPush O[t', b] into GPU (t', b, r)'s Ob[t, u]
             self._put(self.Ob.flat[t, u], self.O.flat[tp, b], self._peer(tp, b), f"Push-O to machine {tp}")
 
     def stage_out(self):
@@ -203,7 +212,11 @@ class OneSidedTorusIO:
 
 class OneSidedTorusOps(TorusOps):
     """``OneSidedTorusIO``'s calls: puts and gets of single slots (K/V packed), ``PullRing``,
-    a barrier after the scatter and at the end, a ring-group sync per Pull-KV stage."""
+    a barrier after the scatter and at the end, a ring-group sync per Pull-KV stage; every
+    loop over a machine's GPUs in ``machine_order``."""
+
+    def peers(self, a: int, nbytes: int) -> list[tuple[int, int]]:
+        return [(self.peer(a, b), nbytes) for b in machine_order(self.u, self.U)]
 
     def _everyone(self) -> tuple[int, ...]:
         return tuple(range(self.mesh.world_size))
@@ -259,8 +272,9 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
         if missing:
             log_once(logger, "fallback-swiftfusion-nvshmem",
                      "swiftfusion: comm='auto' needs NVSHMEM on GPUs but `import nvshmem.core` "
-                     f"fails on ranks {missing} (pip install nvshmem4py-cu13; it needs cuda-core "
-                     ">= 0.5 and cuda-pathfinder); running 'torus' (two-sided) instead")
+                     f"fails on ranks {missing} (install xfuser-swiftfusion with the extra of your CUDA "
+                     "major, [cu12] or [cu13], which brings nvshmem4py and cuda-core >= 0.5; "
+                     "docs/install.md); running 'torus' (two-sided) instead")
             return get("torus").build(a)
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
