@@ -20,7 +20,9 @@ default mesh U8 x R4: L 96k-192k at B=1 and B 1-4 at L=128k, for D 32, 64, 128),
 paper averages them, beside the paper's averages (docs/cost-model.md).
 
 Command: sudo .venv/bin/python scripts/check_cost_model.py [--points 0,4] [--reps 5]
-  [--out benchmarks/results/check-cost-model]   (about 75 min on a quiet 2-core host)
+  [--out benchmarks/results/check-cost-model] [--resume]   (about 75 min on a quiet 2-core
+  host; each group of points is kept in <out>.partial.jsonl as it completes, and --resume
+  measures only the groups a run cut short did not)
   .venv/bin/python scripts/check_cost_model.py --stored benchmarks/results/layer-*.json
 """
 from __future__ import annotations
@@ -187,6 +189,8 @@ def main() -> int:
     ap.add_argument("--hardware", default=None,
                     help="--stored: the profile (default cpu-emulated); --paper: (default p4de)")
     ap.add_argument("--out", default=str(RESULTS / "check-cost-model"))
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the groups of points that <out>.partial.jsonl holds from a run cut short")
     a = ap.parse_args()
     t0 = time.time()
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
@@ -205,11 +209,27 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, hardware_of, links = [], {}, {}
+    # each group's profile and rows, written as it completes: a run cut short keeps what it
+    # measured, and --resume measures only the groups missing from it
+    partial = out.with_suffix(".partial.jsonl")
+    done = {}
+    if a.resume and partial.exists():
+        for line in partial.read_text().splitlines():
+            g = json.loads(line)
+            done[(g["topo"], g["link"])] = g
+    elif partial.exists():
+        partial.unlink()
     for (topo, link), group in _groups(idx).items():
-        path, recovered = _calibrate(topo, link, group, out.parent, a.calibrate_budget)
-        hardware_of[(topo, link)] = path
-        links[f"{topo}@{link:g}"] = recovered
-        rows += _measure(topo, link, group, path, a.reps)
+        g = done.get((topo, link))
+        if g is None or g["points"] != group:
+            path, recovered = _calibrate(topo, link, group, out.parent, a.calibrate_budget)
+            g = {"topo": topo, "link": link, "points": group, "profile": path, "links": recovered,
+                 "rows": _measure(topo, link, group, path, a.reps)}
+            with open(partial, "a") as f:
+                f.write(json.dumps(g) + "\n")
+        hardware_of[(topo, link)] = g["profile"]
+        links[f"{topo}@{link:g}"] = g["links"]
+        rows += g["rows"]
     md, summary = table(rows, hardware_of, False)
     rec = [abs(v) for d in links.values() for v in d.values()]
     summary["links_within_15pct"] = f"{sum(v <= 15 for v in rec)}/{len(rec)}"
@@ -224,6 +244,7 @@ def main() -> int:
         json.dump({"command": cmd, "commit": bench_layer._commit(), "cpu": host_cpu(),
                    "profiles": {f"{t}@{l:g}": p for (t, l), p in hardware_of.items()},
                    "links_pct": links, "summary": summary, "rows": rows}, f, indent=1)
+    partial.unlink(missing_ok=True)
     print(f"wrote {out.with_suffix('.md')} and .json")
     return 0
 

@@ -141,6 +141,34 @@ def _auto_on_rank():
         ctx.close()
 
 
+def _auto_beside_usp_on_rank():
+    """A usp context holds xFuser's state at U4 (1x4, 4 heads); auto, whose model would pick
+    usp at another degree when free to (the model's pick is stood in for: usp at the degree it
+    may use, else U1), must run usp on the groups that exist."""
+    from xfuser_swiftfusion.strategies import auto
+
+    def pick_usp(topology, w, profile, usp_ulysses, external, pad_heads):
+        usp = [p for p in candidates(topology, w, profile, pad_heads) if p.strategy == "usp"]
+        return next(p for p in usp if p.ulysses == (usp_ulysses or 1))
+
+    auto.recommend = pick_usp
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 32, 16, generator=g) for _ in range(3))
+    S = 32 // world
+    mine = slice(rank * S, (rank + 1) * S)
+    with sf.init_sequence_parallel("usp", 4, timeout_s=60) as base:
+        base.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
+        with sf.init_sequence_parallel("auto", 4, timeout_s=60) as ctx:
+            out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
+            return list(ctx._impl.choices.values()), max_abs_err(out, rank_rows(q, k, v, rank, world))
+
+
+def test_auto_runs_usp_on_the_xfuser_groups_that_exist():
+    for choices, err in run_emulated(_auto_beside_usp_on_rank, "1x4", timeout_s=120):
+        assert choices == [("usp", 4)] and err < 1e-5, (choices, err)
+
+
 def test_auto_identical_choice_and_exact():
     res = run_emulated(_auto_on_rank, "2x2", timeout_s=120)
     choices = {tuple(map(tuple, c)) for c, _, _ in res}

@@ -26,7 +26,7 @@ from ..mesh import Mesh, choose_mesh
 from ..topology import Topology
 from .layout import Joint, KeyMask
 from .padded import build_padded, padding_message
-from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register
+from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register, specs
 
 logger = get_logger(__name__)
 
@@ -73,6 +73,16 @@ class AutoAttention:
         self.choices: dict[tuple, tuple[str, int]] = {}
         self.meshes: dict[tuple[str, int, int], Mesh] = {}  # (strategy, ulysses, heads) -> mesh
 
+    def _external_ulysses(self) -> int | None:
+        """The only Ulysses degree a strategy on external groups can run now: the option
+        ``usp_ulysses``, else the degree of such groups that already exist in this process (xFuser's
+        state, built by xFuser, another context or an earlier child), else None (any)."""
+        given = self.args.options.get("usp_ulysses")
+        if given is not None:
+            return given
+        built = (s.built_ulysses() for s in specs() if s.external_groups and s.built_ulysses)
+        return next((d for d in built if d is not None), None)
+
     def _child(self, name: str, ulysses: int, heads: int) -> Strategy:
         key = (name, ulysses, heads)
         if key not in self._children:
@@ -102,7 +112,7 @@ class AutoAttention:
         if child is None:
             # a key mask runs only on the core strategies, not on xFuser's groups
             best, cands, profile = choose(self.topology, self.num_heads, q,
-                                          self.args.options.get("usp_ulysses"),
+                                          self._external_ulysses(),
                                           self.args.options.get("external", True) and not masked,
                                           self.args.options.get("pad_heads", True))
             key = (best.strategy, best.ulysses)

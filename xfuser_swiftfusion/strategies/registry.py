@@ -73,7 +73,9 @@ class StrategySpec:
     ``one_sided``: moves data by put/get. ``needs_torus``: runs only where every ring group is
     inside one machine; elsewhere ``fallback`` runs. ``baseline``: what ``auto`` must never be
     predicted slower than. ``external_groups``: runs on groups built outside this package
-    (xFuser's), whose degrees are fixed once built. ``order``: tie-break rank and listing order.
+    (xFuser's), whose degrees are fixed once built; ``built_ulysses``: the Ulysses degree of
+    those groups where they already exist in this process, else None (the only degree the spec
+    can then run). ``order``: tie-break rank and listing order.
     ``native``: call features it runs itself (``"gqa"``: K/V with fewer heads, ``"key_mask"``:
     a ``KeyMask`` keyword); ``call_args`` adapts a call to the others.
     """
@@ -89,6 +91,7 @@ class StrategySpec:
     fallback: str | None = None
     baseline: bool = False
     external_groups: bool = False
+    built_ulysses: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
     order: int = 100
     native: tuple[str, ...] = ()
 

@@ -104,7 +104,14 @@ def usp_program(mesh: Mesh, rank: int, shape: Shape) -> list[Op]:
     return prog.ops
 
 
+def built_ulysses() -> int | None:
+    """The Ulysses degree of xFuser's parallel state if it exists in this process (built by
+    xFuser, by a ``usp`` context or by one of ``auto``'s children), else None."""
+    return state.xfuser_sp_layout()[0] if state.xfuser_parallel_initialized() else None
+
+
 SPEC = StrategySpec(
     "usp", "usp", "xFuser's own USP, untouched (Ulysses inside machines, Ring across)",
-    build=UspStrategy, program=usp_program, baseline=True, external_groups=True, order=0)
+    build=UspStrategy, program=usp_program, baseline=True, external_groups=True,
+    built_ulysses=built_ulysses, order=0)
 UspStrategy.spec = SPEC
