@@ -70,6 +70,7 @@ def test_compare_diffusers_masked_prompts_run_on_the_strategies(tmp_path, capsys
         assert r["passed"] is True and 0 <= r["max_abs_err"] <= 1e-4, r
         assert r["fallbacks"] == ({} if r["engine"] == "swiftfusion" else None), r
     assert "the second 5 of 16 text tokens shorter" in table
+    assert "(qwenimage) 64x64," in table, table   # an image: no frame count
     assert "fallbacks (rank 0): none" in table
     assert "skipped diffusers' ring, unified" in table and "masked prompts" in table
     assert main(["compare-diffusers", "--model", "tiny-flux", "--emulate", "2x2",

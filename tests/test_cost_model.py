@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -132,13 +133,21 @@ def _auto_on_rank():
     S = L // world
     mine = slice(rank * S, (rank + 1) * S)
     ref = rank_rows(q, k, v, rank, world)
+    logs: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logs.append(record.getMessage())
+    ours = logging.getLogger("xfuser.swiftfusion")
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
     ctx = sf.init_sequence_parallel("auto", H, timeout_s=60)
     try:
         out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine])
         choice = list(ctx._impl.choices.values())
-        return choice, max_abs_err(out, ref), ctx.stats()["calls"]
+        picks = [m for m in logs if m.startswith("auto: ")]
+        return choice, max_abs_err(out, ref), ctx.stats()["calls"], picks
     finally:
         ctx.close()
+        ours.removeHandler(handler)
 
 
 def _auto_beside_usp_on_rank():
@@ -171,9 +180,11 @@ def test_auto_runs_usp_on_the_xfuser_groups_that_exist():
 
 def test_auto_identical_choice_and_exact():
     res = run_emulated(_auto_on_rank, "2x2", timeout_s=120)
-    choices = {tuple(map(tuple, c)) for c, _, _ in res}
+    choices = {tuple(map(tuple, c)) for c, _, _, _ in res}
     assert len(choices) == 1 and len(res[0][0]) == 1
-    assert max(e for _, e, _ in res) < 1e-5
+    assert max(e for _, e, _, _ in res) < 1e-5
+    # the pick is logged once, by rank 0 (all ranks pick the same)
+    assert [len(picks) for *_, picks in res] == [1, 0, 0, 0], [picks for *_, picks in res]
 
 
 def test_cpu_profile_warns_once_when_measured_on_another_cpu(tmp_path, caplog):

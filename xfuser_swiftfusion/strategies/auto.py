@@ -118,13 +118,14 @@ class AutoAttention:
             key = (best.strategy, best.ulysses)
             child = self._by_signature[sig] = self._child(*key, best.heads)
             self.choices[sig] = key
-            alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring}"
-                             f"{f' ({p.heads} heads)' if p.padded else ''} {p.latency_s * 1e3:.2f} ms"
-                             for p in sorted(cands, key=lambda p: p.latency_s))
-            log_once(logger, f"auto-{sig}",
-                     f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
-                     f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
-                     f"({profile} profile); predicted per layer: {alts}", logging.INFO)
+            if self.rank == 0:   # every rank picks the same (module docstring)
+                alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring}"
+                                 f"{f' ({p.heads} heads)' if p.padded else ''} {p.latency_s * 1e3:.2f} ms"
+                                 for p in sorted(cands, key=lambda p: p.latency_s))
+                log_once(logger, f"auto-{sig}",
+                         f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
+                         f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
+                         f"({profile} profile); predicted per layer: {alts}", logging.INFO)
         k, v, joint, kwargs = call_args(child.spec, q, k, v, joint, key_mask)
         return child(q, k, v, joint, scale, **kwargs)
 

@@ -49,6 +49,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 # defaults per model kind: (height, width, num_frames)
 DEFAULT_SIZE = {"flux": (48, 48, 1), "cogvideox": (192, 64, 9), "wan": (64, 64, 9)}
+VIDEO_KINDS = ("cogvideox", "wan")   # the kinds whose size names a frame count
 
 
 @dataclass
@@ -294,7 +295,7 @@ def _aggregate(measures: dict[str, _Measure], dtype: torch.dtype) -> list[Compar
 
 def format_table(rows: list[CompareRow], cfg: CompareConfig, where: str) -> str:
     tol = TOLERANCE[DTYPES[cfg.dtype]]
-    size = f"{cfg.height}x{cfg.width}" + (f"x{cfg.num_frames}f" if cfg.kind != "flux" else "")
+    size = f"{cfg.height}x{cfg.width}" + (f"x{cfg.num_frames}f" if cfg.kind in VIDEO_KINDS else "")
     lines = [f"compare: {cfg.model} ({cfg.kind}) {size}, {cfg.steps} steps, text "
              f"{cfg.max_sequence_length} tokens, {cfg.dtype}, {where}, {cfg.repeats} rounds "
              f"interleaved; tolerance {tol:.0e} vs single device"]
