@@ -14,6 +14,10 @@ measurements stored by ``bench_layer.py`` (their ``predicted_s``, the model of t
 shown beside it). Auto's pick then has a measured latency only where it is a strategy at its
 default degree that was measured.
 
+``--recalibrate FILE``: a check's ``.json`` (``--out``'s): calibrate each cluster again and
+predict FILE's measured rows with the new profiles (a change to ``calibrate``, checked without
+measuring again); auto's latency counts where the new profile picks what ran.
+
 ``--paper``: no run; SFU/USP and TAS/USP per attention layer predicted on ``--hardware``
 (default ``p4de``, datasheet rates) at the paper's layerwise points (4 x 8 A100, 24 heads, its
 default mesh U8 x R4: L 96k-192k at B=1 and B 1-4 at L=128k, for D 32, 64, 128), averaged as the
@@ -127,8 +131,10 @@ def _point_key(r: dict) -> tuple:
     return (r["topo"], float(r["link"]), r["B"], r["L"], r["D"])
 
 
-def table(rows: list[dict], hardware_of: dict, stored: bool) -> tuple[str, dict]:
-    """Markdown: one line per point; and the summary figures."""
+def table(rows: list[dict], hardware_of: dict, stored: bool, repicked: bool = False
+          ) -> tuple[str, dict]:
+    """Markdown: one line per point; and the summary figures. ``repicked``: the profiles are
+    not the ones auto ran with; its measured latency counts only where they pick what ran."""
     by: dict = {}
     for r in rows:
         by.setdefault(_point_key(r), {})[r["strategy"]] = r
@@ -159,6 +165,8 @@ def table(rows: list[dict], hardware_of: dict, stored: bool) -> tuple[str, dict]
         fastest = min(measured, key=measured.get)
         if "auto" in rs:   # what auto ran, measured
             auto_s, ran = rs["auto"]["latency_s"], rs["auto"]["ran_as"]
+            if repicked and ran != f"auto->{pick.strategy}U{pick.ulysses}":
+                auto_s, ran = None, f"{pick.strategy} U{pick.ulysses} (model; {ran} measured)"
         else:              # stored runs: the pick's own row, if it ran at its default degree
             row = rs.get(pick.strategy)
             auto_s = row["latency_s"] if row and row.get("ulysses", pick.ulysses) == pick.ulysses \
@@ -189,6 +197,8 @@ def main() -> int:
     ap.add_argument("--hardware", default=None,
                     help="--stored: the profile (default cpu-emulated); --paper: (default p4de)")
     ap.add_argument("--out", default=str(RESULTS / "check-cost-model"))
+    ap.add_argument("--recalibrate", metavar="FILE",
+                    help="a check's .json: calibrate again, predict its measured rows (no measurement)")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the groups of points that <out>.partial.jsonl holds from a run cut short")
     a = ap.parse_args()
@@ -209,6 +219,7 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, hardware_of, links = [], {}, {}
+    measured = json.load(open(a.recalibrate))["rows"] if a.recalibrate else None
     # each group's profile and rows, written as it completes: a run cut short keeps what it
     # measured, and --resume measures only the groups missing from it
     partial = out.with_suffix(".partial.jsonl")
@@ -223,14 +234,15 @@ def main() -> int:
         g = done.get((topo, link))
         if g is None or g["points"] != group:
             path, recovered = _calibrate(topo, link, group, out.parent, a.calibrate_budget)
+            mine = [r for r in measured or () if (r["topo"], float(r["link"])) == (topo, link)]
             g = {"topo": topo, "link": link, "points": group, "profile": path, "links": recovered,
-                 "rows": _measure(topo, link, group, path, a.reps)}
+                 "rows": mine if measured else _measure(topo, link, group, path, a.reps)}
             with open(partial, "a") as f:
                 f.write(json.dumps(g) + "\n")
         hardware_of[(topo, link)] = g["profile"]
         links[f"{topo}@{link:g}"] = g["links"]
         rows += g["rows"]
-    md, summary = table(rows, hardware_of, False)
+    md, summary = table(rows, hardware_of, False, repicked=measured is not None)
     rec = [abs(v) for d in links.values() for v in d.values()]
     summary["links_within_15pct"] = f"{sum(v <= 15 for v in rec)}/{len(rec)}"
     links_md = "\n".join(f"- {k}: " + ", ".join(f"{kind} {v:+.0f} %" for kind, v in d.items())
