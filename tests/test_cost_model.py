@@ -314,3 +314,27 @@ def test_calibrate_writes_a_profile_the_model_runs(tmp_path, capsys):
     assert prof.measured["topology"] == "2x2"
     p = predict("torus", Topology(2, 2), Workload(1, 4096, 8, 64), prof)
     assert 0 < p.compute_s < p.latency_s
+
+
+def test_the_stored_check_against_measurements_holds():
+    """``scripts/check_cost_model.py``'s stored run (benchmarks/results/check-cost-model.json:
+    the measured rows and the profiles calibrated beside them): the model of this checkout
+    still predicts them as well as the run reported, and ``--recalibrate``'s table judges auto
+    only where the profile picks what ran."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("check_cost_model", root / "scripts" / "check_cost_model.py")
+    ccm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ccm)
+    stored = json.loads((root / "benchmarks" / "results" / "check-cost-model.json").read_text())
+    profiles = {(k.split("@")[0], float(k.split("@")[1])): str(root / v)
+                for k, v in stored["profiles"].items()}
+    _, summary = ccm.table(stored["rows"], profiles, False)
+    assert summary["rows"] == 72 and summary["within_15pct"] >= 66, summary
+    assert summary["auto_judged"] == 18 and summary["auto_within_5pct"] >= 16, summary
+    _, same = ccm.table(stored["rows"], profiles, False, repicked=True)
+    assert same["auto_judged"] == 18, same            # the profiles auto ran with: every pick
+    other = {k: "p4de" for k in profiles}             # GPU rates: other picks, not judged
+    _, moved = ccm.table(stored["rows"], other, False, repicked=True)
+    assert moved["auto_judged"] < 18, moved

@@ -99,49 +99,29 @@ def _reduce(x: float, op=dist.ReduceOp.MAX) -> float:
     return t.item()
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"{socket.gethostname()}-{os.getpid()}"   # unknown: no shared clock assumed
-
-
 class _Clock:
     """Timed calls of every rank together; the budget shared (every rank decides alike)."""
 
     def __init__(self, device: torch.device, reps: int, budget_s: float) -> None:
         self.device, self.reps, self.budget_s = device, reps, budget_s
         self.t0 = time.monotonic()
-        # CPU ranks of one booted kernel share CLOCK_MONOTONIC (perf_counter): spans compare
-        boots: list = [None] * dist.get_world_size()
-        dist.all_gather_object(boots, _boot_id())
-        self.one_clock = device.type == "cpu" and len(set(boots)) == 1
 
     def elapsed(self) -> float:
         return _reduce(time.monotonic() - self.t0)
 
-    def time(self, fn, reps: int | None = None, cpu: bool = False,
-             span: bool = False) -> tuple[float, float]:
+    def time(self, fn, reps: int | None = None, cpu: bool = False) -> tuple[float, float]:
         """Median over repetitions of the slowest rank's seconds (after a warm-up), and the
-        process CPU seconds of every rank summed (median).
-
-        ``span``: on a shared host, the seconds from the first rank's start to the last rank's
-        end instead (one clock for every rank): the barrier releases ranks a few ms apart, and
-        a rank that starts late runs beside fewer others, so its own seconds understate what
-        the cores take for every rank's call (the throughput a layer sees)."""
+        process CPU seconds of every rank summed (median)."""
         fn()
         _sync(self.device)
-        shared = span and self.one_clock
         walls, cpus = [], []
         for _ in range(reps or self.reps):
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             _sync(self.device)
-            t1 = time.perf_counter()
-            used = time.process_time() - c0
-            walls.append(_reduce(t1) + _reduce(-t0) if shared else _reduce(t1 - t0))
+            wall, used = time.perf_counter() - t0, time.process_time() - c0
+            walls.append(_reduce(wall))
             cpus.append(_reduce(used, dist.ReduceOp.SUM) if cpu else used)
         return statistics.median(walls), statistics.median(cpus)
 
@@ -318,7 +298,7 @@ def _attention(clock: _Clock, cfg: CalibrateConfig, device, merge: float, call: 
             continue
         lq, lk = sum(q), sum(kv)
         b = _bh_for(device, lq, lk, D, bh)
-        t, _ = clock.time(_attend_fn(device, dt, D, b, q, kv), max(1, clock.reps - 1), span=True)
+        t, _ = clock.time(_attend_fn(device, dt, D, b, q, kv), max(1, clock.reps - 1))
         net = max(t - call - b * lq * D * merge, t * 0.05)
         out.setdefault(dt, {}).setdefault(D, {})[(lq, lk)] = 4 * b * lq * lk * D / net
     return {dt: {D: [(lq, lk, f) for (lq, lk), f in sorted(pts.items())] for D, pts in t.items()}
