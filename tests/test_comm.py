@@ -516,3 +516,33 @@ def test_process_alive_sees_exited_and_zombie_processes():
     assert not _process_alive(pid)
     os.waitpid(pid, 0)
     assert not _process_alive(pid)
+
+
+_EXIT_SCRIPT = """
+import atexit, glob, sys, tempfile
+def gloo_threads():
+    return sum("gloo" in open(f).read() for f in glob.glob("/proc/self/task/*/comm"))
+# registered before p2p's own handler, so it runs after it (atexit runs last-in first-out)
+atexit.register(lambda: print("at exit:", gloo_threads(), flush=True))
+import torch.distributed as dist
+from xfuser_swiftfusion.comm import p2p
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+p2p.queue_groups()
+dist.destroy_process_group()
+print("after destroy:", gloo_threads(), flush=True)
+"""
+
+
+def test_queue_groups_free_their_threads_before_interpreter_teardown():
+    """``destroy_process_group`` leaves the groups the two-sided queues hold alive (their gloo
+    threads run on); at exit they are released before the interpreter tears down, where a
+    gloo group freed late can abort the rank ("terminate called without an active
+    exception", seen as a failed torchrun job after a passing check)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    after = int(re.search(r"after destroy: (\d+)", res.stdout).group(1))
+    at_exit = int(re.search(r"at exit: (\d+)", res.stdout).group(1))
+    assert after > 0 and at_exit == 0, res.stdout

@@ -23,6 +23,7 @@ only their two ranks, so the groups never wait on each other.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import time
@@ -37,6 +38,19 @@ from .base import QUEUES, CommTimeout, Handle, PeerFailure, TwoSided
 
 _queue_groups: tuple[Any, dict[str, Any]] | None = None
 """(default process group, queue -> process group over all its ranks) of the current world."""
+
+
+@atexit.register
+def release_queue_groups() -> None:
+    """Drops every reference to the queue groups (the holders share one dict). At exit this
+    runs before the interpreter's teardown, so groups that ``destroy_process_group`` already
+    removed from torch's registry free their threads now: a gloo group still referenced by a
+    module when the interpreter tears down can abort the rank ("terminate called without an
+    active exception"), after its work is done, failing its torchrun job."""
+    global _queue_groups
+    if _queue_groups is not None:
+        _queue_groups[1].clear()
+        _queue_groups = None
 
 
 def _nccl_device() -> torch.device:
@@ -186,4 +200,5 @@ class P2PCommunicator(TwoSided):
 
     def close(self) -> None:
         """Nothing to release: the queue groups serve every communicator of this world until
-        ``destroy_process_group`` (destroying one is collective)."""
+        ``destroy_process_group`` (destroying one is collective); their last references go at
+        exit (``release_queue_groups``)."""

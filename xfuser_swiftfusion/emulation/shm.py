@@ -472,6 +472,8 @@ class ShmCommunicator(OneSided):
                 for p in missing:
                     try:
                         if p in remote:  # its arrival comes through the relay of my machine
+                            if self._proxy.peer_state(p)[0] == "died":  # the cause, named first:
+                                self._check_alive(p, what, doing)     # the relay may close on it
                             self._check_alive(relay, what, f"{doing} (relaying rank {p}'s arrival)")
                             if (relay != self.rank and self._proxy.peer_state(p)[0] == "closed"
                                     and not self._inbox[relay][p, -1]):
