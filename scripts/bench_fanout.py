@@ -11,9 +11,8 @@ Result: benchmarks/results/fanout-80mbit.md (docs/cost-model.md, "Checks against
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from xfuser_swiftfusion.emulation.netns import LinkSpec
 from xfuser_swiftfusion.hardware import host_cpu
+from xfuser_swiftfusion.tools import calibrate
 from xfuser_swiftfusion.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,7 +29,7 @@ from bench_layer import _commit  # noqa: E402
 
 
 def _rank_main(topology: str, sizes: list[int], reps: int) -> list | None:
-    """Per size: MB/s per machine link of each transport (the slowest rank's median)."""
+    """Per size: MB/s per machine link of each transport."""
     topo = Topology.parse(topology)
     rank, W, M, N = dist.get_rank(), topo.world_size, topo.gpus_per_node, topo.nodes
     t, i = divmod(rank, M)
@@ -37,6 +37,7 @@ def _rank_main(topology: str, sizes: list[int], reps: int) -> list | None:
         g = dist.new_group(list(range(j, W, M)))
         if j == i:
             group = g
+    clock = calibrate._Clock(torch.device("cpu"), reps, budget_s=math.inf)
     out = []
     for n in sizes:                            # fp32 elements per peer
         send, recv = torch.zeros(N * n), torch.empty(N * n)   # [N peers * n]
@@ -52,6 +53,7 @@ def _rank_main(topology: str, sizes: list[int], reps: int) -> list | None:
                         dist.P2POp(dist.irecv, recv[k * n:(k + 1) * n], frm)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+
         def ring():   # the same bytes to the next machine only: fan-out 1
             nxt, prv = ((t + 1) % N) * M + i, ((t - 1) % N) * M + i
             ops = [dist.P2POp(dist.isend, send[n:], nxt), dist.P2POp(dist.irecv, recv[n:], prv)]
@@ -59,16 +61,8 @@ def _rank_main(topology: str, sizes: list[int], reps: int) -> list | None:
                 w.wait()
         rates = {}
         for name, fn in (("all_to_all_single", a2a), ("batch_isend_irecv", p2p), ("next machine", ring)):
-            fn()
-            walls = []
-            for _ in range(reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                walls.append(time.perf_counter() - t0)
-            wall = torch.tensor([statistics.median(walls)])
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            rates[name] = n * 4 * (N - 1) * M / wall.item() / 1e6   # bytes out of one machine
+            wall, _ = clock.time(fn)   # calibrate's timing: median of the slowest rank's
+            rates[name] = n * 4 * (N - 1) * M / wall / 1e6   # bytes out of one machine
         out.append((n * 4, rates))
     return out if rank == 0 else None
 
