@@ -41,6 +41,7 @@ class Env:
     aborts: list[str] = field(default_factory=list)
     set_device_threads: list[tuple[str, int]] = field(default_factory=list)
     compute: Any = None
+    registry: Any = None       # nvshmem4py's team registry (nvshmem.core.Teams)
 
     def rec(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -89,12 +90,33 @@ class FakeUID:
         self._data = data.astype(np.uint8)
 
 
-class FakeCore:
-    class Teams:
-        TEAM_WORLD = 0
+class FakeTeamBindings:
+    """libnvshmem's team handles as ``nvshmem.bindings`` returns them: a split takes the lowest
+    free index from ``TEAMS_FIRST`` (on one GPU ``TEAM_MC_SHARED``'s index 6 is free), written
+    through the handle's address; destroy frees it."""
 
-    def __init__(self, env: Env) -> None:
-        self.env, self._teams = env, itertools.count(1)
+    TEAMS_FIRST = 6
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+
+    def team_split_strided(self, parent, start, stride, size, config_ptr, mask, handle_addr) -> None:
+        import ctypes
+        team = next(i for i in itertools.count(self.TEAMS_FIRST) if i not in self.live)
+        self.live.add(team)
+        ctypes.c_int.from_address(handle_addr).value = team
+
+    def team_destroy(self, team: int) -> None:
+        self.live.discard(team)
+
+
+class FakeCore:
+    """``nvshmem.core`` with the team calls of nvshmem4py itself (``nvshmem.core.teams``: its
+    name registry) over ``FakeTeamBindings``."""
+
+    def __init__(self, env: Env, teams: Any) -> None:
+        self.env, self._real = env, teams
+        self.Teams = teams.Teams
 
     @staticmethod
     def TeamConfig() -> str:
@@ -121,13 +143,15 @@ class FakeCore:
         self.env.rec("free_tensor", t.data_ptr())
 
     def team_split_strided(self, parent: int, start: int, stride: int, size: int, config: Any,
-                           mask: int) -> int:
-        team = next(self._teams)
+                           mask: int, new_team_name: str | None = None) -> int:
+        team = self._real.team_split_strided(parent, start, stride, size,
+                                             SimpleNamespace(ptr=0), mask, new_team_name)
         self.env.rec("team_split_strided", start, stride, size, team)
         return team
 
-    def team_destroy(self, team: int) -> None:
-        self.env.rec("team_destroy", team)
+    def team_destroy(self, team: int | str) -> None:
+        self.env.rec("team_destroy", self.Teams[team] if isinstance(team, str) else team)
+        self._real.team_destroy(team)
 
 
 class FakeBindings:
@@ -168,6 +192,7 @@ class FakeDevice:
 def env(monkeypatch):
     """Fake nvshmem4py and CUDA; a real one-rank gloo group; a fresh process-wide NVSHMEM state."""
     pytest.importorskip("cuda.core")
+    pytest.importorskip("nvshmem.core")
     import cuda.core
 
     created = not dist.is_initialized()
@@ -175,7 +200,13 @@ def env(monkeypatch):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     e = Env()
     e.compute = FakeStream(e, cuda_stream=0)
-    core, bindings = FakeCore(e), FakeBindings(e)
+    from nvshmem.bindings import Team_id
+    from nvshmem.core import nvshmem_types, teams
+    registry = nvshmem_types.MutableEnum.from_enum(Team_id)  # a fresh process's registry
+    monkeypatch.setattr(teams, "Teams", registry)
+    monkeypatch.setattr(teams, "bindings", FakeTeamBindings())
+    e.registry = registry
+    core, bindings = FakeCore(e, teams), FakeBindings(e)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(nv, "nvshmem_modules", lambda: (core, bindings))
     monkeypatch.setattr(nv, "_RUNTIME", nv._Runtime() if hasattr(nv, "_Runtime") else None,
@@ -256,6 +287,20 @@ def test_communicators_share_one_instance_and_free_only_their_own_buffers(env):
     a.close()
     b.close()
     assert "finalize" not in env.names()  # not when the last communicator closes: at exit
+
+
+def test_teams_are_split_again_after_close_under_nvshmem4pys_registry(env):
+    """One GPU: the first split's handle is 6, TEAM_MC_SHARED's value in nvshmem4py's registry;
+    destroyed by handle, the registry kept 'TEAM_6' and the next split failed ("Member 'TEAM_6'
+    already exists", the H100 run's strategies and runner-compile rows)."""
+    initial = dict(env.registry.items())
+    for _ in range(3):
+        comm = make()
+        comm.prepare_groups([(0,)])
+        comm.barrier((0,), what="team works")
+        comm.close()
+    assert [args[3] for args in env.args("team_split_strided")] == [6, 6, 6]
+    assert dict(env.registry.items()) == initial
 
 
 def test_a_later_communicator_joins_the_instance_and_exit_finalizes_it_once(env):

@@ -34,7 +34,10 @@ on it and returns without blocking the host.
 
 Barriers run on their own stream after the caller's current stream and every pool stream used
 since the previous barrier (so they quiet first); ``sync`` runs after the current stream only.
-Groups are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``.
+Groups are NVSHMEM teams built collectively by ``prepare_groups`` with ``team_split_strided``,
+each under a name of its own in nvshmem4py's team registry and destroyed by that name
+(``team_destroy(handle)`` unregisters the first registry entry with that value, which can be a
+predefined one: ``TEAM_MC_SHARED`` is 6, the first split's handle on one GPU).
 
 Timeouts: one watchdog thread per communicator queries the events of transfers and barriers;
 one not complete ``timeout_s`` after it was issued fails the communicator: the next call into it
@@ -82,6 +85,7 @@ log = get_logger("xfuser_swiftfusion.comm")
 
 UID_BYTES = 128
 STREAMS_PER_QUEUE = 4
+_TEAM_NAMES = itertools.count()  # nvshmem4py registry names of this process's teams
 FINALIZE_TIMEOUT_S = 60.0  # at exit: a peer that left without finalizing must not hang this one
 
 
@@ -466,7 +470,7 @@ class NvshmemCommunicator(OneSided):
         try:
             self._buffers = SymmetricBuffers()
             self._heap_bytes = 0
-            self._teams: dict[tuple[int, ...], Any] = {}
+            self._teams: dict[tuple[int, ...], tuple[str, int] | None] = {}  # (name, handle)
             self._pools = {q: [torch.cuda.Stream(device=self.device)
                                for _ in range(STREAMS_PER_QUEUE)] for q in QUEUES}
             self._turn = dict.fromkeys(QUEUES, 0)
@@ -602,10 +606,12 @@ class NvshmemCommunicator(OneSided):
             if key in self._teams:
                 continue
             start, stride, size = team_split_args(key)
+            name = f"SWIFTFUSION_{next(_TEAM_NAMES)}"
             with torch.cuda.device(self.device):
                 team = self._core.team_split_strided(self._core.Teams.TEAM_WORLD, start, stride,
-                                                     size, self._core.TeamConfig(), 0)
-            self._teams[key] = team
+                                                     size, self._core.TeamConfig(), 0,
+                                                     new_team_name=name)
+            self._teams[key] = None if team is None else (name, int(team))
 
     def _team(self, ranks: tuple[int, ...]) -> int:
         key = tuple(sorted(ranks))
@@ -614,7 +620,7 @@ class NvshmemCommunicator(OneSided):
         if key not in self._teams:
             raise ValueError(f"group {ranks} has no NVSHMEM team: declare it with prepare_groups "
                              "(collective) before the first barrier")
-        return int(self._teams[key])
+        return self._teams[key][1]
 
     def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
         team = self._team(ranks)
@@ -701,7 +707,7 @@ class NvshmemCommunicator(OneSided):
                     self._core.free_tensor(t)
                 for team in self._teams.values():
                     if team is not None:
-                        self._core.team_destroy(int(team))
+                        self._core.team_destroy(team[0])  # by name (module docstring)
             ok = True
         finally:
             self._buffers.clear()
