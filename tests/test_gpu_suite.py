@@ -382,6 +382,58 @@ def test_usp_fp32_on_cuda_runs_on_xfusers_efficient_backend_or_is_a_skip(tmp_pat
     assert usp.result == "SKIP" and "SDPA_EFFICIENT" in usp.figure and "usp cannot run fp32" in usp.figure
 
 
+def test_usp_refuses_fp32_on_xfusers_cudnn_backend(monkeypatch, one_rank_world):
+    """xFuser's CUDNN backend (its default where cuDNN is) gave NaN for fp32 on the H100 (the
+    compile stage's usp and auto rows): usp raises an error naming the fix instead."""
+    from xfuser.core.distributed import runtime_state as rs
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+
+    from xfuser_swiftfusion import init_sequence_parallel
+    from xfuser_swiftfusion.distributed import init_distributed_from_env
+    init_distributed_from_env()
+    monkeypatch.setattr(rs.RuntimeState, "_select_attention_backend",
+                        lambda self, config=None: AttentionBackendType.CUDNN)
+    ctx = init_sequence_parallel("usp", num_heads=2, timeout_s=30)
+    try:
+        q = torch.randn(1, 2, 8, 16)
+        with pytest.raises(ValueError, match="CUDNN.*fp16/bf16.*SDPA_EFFICIENT"):
+            ctx.attention(q, q, q)
+    finally:
+        ctx.close()
+
+
+def test_compile_stage_runs_xfusers_usp_in_fp32_on_its_efficient_backend(tmp_path, monkeypatch,
+                                                                         one_rank_world):
+    """As the strategies stage: on a GPU xFuser's own choice (cuDNN) cannot run the stage's fp32
+    model; the backend holds during the whole run (auto builds xFuser's state at its first call)."""
+    from xfuser.core.distributed import runtime_state as rs
+    from xfuser.core.distributed.attention_backend import AttentionBackendType
+
+    import xfuser_swiftfusion
+    from xfuser_swiftfusion.strategies import names
+    from xfuser_swiftfusion.tools.gpu_suite import paths
+    seen: list = []
+
+    class Ctx:
+        def __init__(self, strategy):
+            self.strategy = strategy
+
+        def attention(self, q, k, v):
+            seen.append((self.strategy, rs.RuntimeState._select_attention_backend(None, None)))
+            raise RuntimeError("recorded")
+
+        def close(self):
+            seen.append((self.strategy, "closed"))
+
+    monkeypatch.setattr(xfuser_swiftfusion, "init_sequence_parallel",
+                        lambda strategy, **kw: Ctx(strategy))
+    paths.compiled_attention(RowWriter(str(tmp_path / "r.jsonl"), "compile"), torch.device("cpu"),
+                             cuda=True)
+    assert seen == [x for s in names() for x in ((s, AttentionBackendType.SDPA_EFFICIENT),
+                                                 (s, "closed"))]
+    assert [r.result for r in read_rows(str(tmp_path / "r.jsonl"))] == ["FAIL"] * len(names())
+
+
 # -- env, numerics, speed -----------------------------------------------------------------------
 
 def test_env_records_the_cuda_python_packages_and_transformers():

@@ -250,6 +250,14 @@ def xfuser_sp_layout() -> tuple[int, int, list[int]]:
             sorted(ps.get_sp_group().ranks))
 
 
+def xfuser_attention_backend() -> str | None:
+    """The name of the attention backend in xFuser's runtime state (``"CUDNN"``,
+    ``"SDPA_EFFICIENT"``, ...: what its USP calls), or None without a runtime state."""
+    rs = sys.modules.get("xfuser.core.distributed.runtime_state")
+    backend = getattr(getattr(rs, "_RUNTIME", None), "attention_backend", None)
+    return None if backend is None else backend.name
+
+
 def xfuser_cfg_degree() -> int:
     """xFuser's current CFG degree (2 with ``--use_cfg_parallel``)."""
     from xfuser.core.distributed import parallel_state as ps

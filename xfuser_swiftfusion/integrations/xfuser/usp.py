@@ -29,6 +29,9 @@ from ...strategies.registry import BuildArgs, StrategySpec
 from . import state
 
 
+CUDNN_DTYPES = (torch.float16, torch.bfloat16)  # what xFuser's CUDNN backend runs
+
+
 class UspStrategy:
     """``(q, k, v, joint, scale) -> out`` through xFuser's USP on xFuser's groups."""
 
@@ -54,6 +57,11 @@ class UspStrategy:
         if scale != 1.0 / math.sqrt(q.shape[-1]):
             raise ValueError("xFuser's USP uses the default softmax scale 1/sqrt(D); "
                              "pass scale=None with strategy='usp'")
+        if q.dtype not in CUDNN_DTYPES and state.xfuser_attention_backend() == "CUDNN":
+            raise ValueError(
+                f"usp: xFuser's CUDNN attention backend (its default on CUDA with cuDNN) takes "
+                f"fp16/bf16 and gives NaN for {q.dtype} inputs; run the model in bf16/fp16 or "
+                f"choose another backend (xFuser's --attention_backend SDPA_EFFICIENT)")
         jargs = {} if joint is None else dict(joint_query=joint.q, joint_key=joint.k,
                                               joint_value=joint.v, joint_strategy=joint.strategy)
         try:

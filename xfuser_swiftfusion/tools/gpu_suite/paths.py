@@ -162,10 +162,11 @@ def strategies(w: RowWriter, quick: bool = False, cuda: bool | None = None) -> N
 
 
 @torch.no_grad()
-def compiled_attention(w: RowWriter, device: torch.device) -> None:
-    """``torch.compile`` (inductor) of a model whose attention is ``ctx.attention``, for
+def compiled_attention(w: RowWriter, device: torch.device, cuda: bool | None = None) -> None:
+    """``torch.compile`` (inductor) of a fp32 model whose attention is ``ctx.attention``, for
     every strategy on this one process: compiled equals eager, a second call compiles nothing,
-    one graph break per attention call."""
+    one graph break per attention call. xFuser's USP runs on ``usp_backend("fp32", cuda)``
+    (``cuda``: as on a GPU; default: whether ``device`` is one)."""
     import torch.nn as nn
 
     from ... import init_sequence_parallel
@@ -188,28 +189,33 @@ def compiled_attention(w: RowWriter, device: torch.device) -> None:
             y = self.ctx.attention(q.contiguous(), k.contiguous(), v.contiguous())
             return torch.tanh(x + self.out(y.transpose(1, 2).reshape(1, S, H * D)))
 
+    xb = usp_backend("fp32", device.type == "cuda" if cuda is None else cuda)
     for strategy in names():
-        ctx = init_sequence_parallel(strategy, num_heads=H, timeout_s=60)
-        try:
-            torch.manual_seed(0)
-            model = TwoLayers(ctx).to(device)
-            x = torch.randn(1, S, H * D, device=device)
-            torch._dynamo.reset()
-            eager = model(x)
-            compiled = torch.compile(model)
-            first = compiled(x)
-            with torch.compiler.set_stance("fail_on_recompile"):
-                second = compiled(x)
-            explained = torch._dynamo.explain(model)(x)
-            breaks, graphs = explained.graph_break_count, explained.graph_count
-            err = max((first - eager).abs().max().item(), (second - eager).abs().max().item())
-            w.check(f"torch.compile {strategy}", err <= 1e-5 and (breaks, graphs) == (2, 3),
-                    f"compiled vs eager {err:.1e}, {graphs} graphs, {breaks} breaks (one per "
-                    "attention call)", err=err, breaks=breaks, graphs=graphs)
-        except Exception as exc:  # noqa: BLE001  (a row per strategy; the rest still run)
-            w.add(f"torch.compile {strategy}", "FAIL", f"{type(exc).__name__}: {exc}"[:300])
-        finally:
-            ctx.close()
+        ctx = None
+        # auto builds xFuser's runtime state at its first call: the whole run is inside
+        with xfuser_attention_backend(xb):
+            try:
+                ctx = init_sequence_parallel(strategy, num_heads=H, timeout_s=60)
+                torch.manual_seed(0)
+                model = TwoLayers(ctx).to(device)
+                x = torch.randn(1, S, H * D, device=device)
+                torch._dynamo.reset()
+                eager = model(x)
+                compiled = torch.compile(model)
+                first = compiled(x)
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    second = compiled(x)
+                explained = torch._dynamo.explain(model)(x)
+                breaks, graphs = explained.graph_break_count, explained.graph_count
+                err = max((first - eager).abs().max().item(), (second - eager).abs().max().item())
+                w.check(f"torch.compile {strategy}", err <= 1e-5 and (breaks, graphs) == (2, 3),
+                        f"compiled vs eager {err:.1e}, {graphs} graphs, {breaks} breaks (one per "
+                        "attention call)", err=err, breaks=breaks, graphs=graphs)
+            except Exception as exc:  # noqa: BLE001  (a row per strategy; the rest still run)
+                w.add(f"torch.compile {strategy}", "FAIL", f"{type(exc).__name__}: {exc}"[:300])
+            finally:
+                if ctx is not None:
+                    ctx.close()
 
 
 RUNNER_ARGS = dict(height=64, width=64, prompt="a cat", num_inference_steps=2,
