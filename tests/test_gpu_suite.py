@@ -679,3 +679,17 @@ def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch):
 
     with pytest.raises(timing.HostWaits, match="waits for the GPU"):
         timing.host_and_gpu_ms(synchronizing, torch.device("cuda"), reps=3)
+
+
+def test_a_host_slower_than_the_first_sleep_is_host_bound_not_waiting(monkeypatch):
+    """The H100 run's cudnn and torch-flash layers: 81 ms of host issue outlasted the 50 ms
+    sleep and were called a synchronizing call; a longer sleep tells the two apart."""
+    from xfuser_swiftfusion.tools.gpu_suite import timing
+    gpu = _FakeGPU(monkeypatch)
+
+    def slow_host():
+        time.sleep(0.06)
+        gpu.queue(0.003)
+
+    host, on_gpu = timing.host_and_gpu_ms(slow_host, torch.device("cuda"), reps=2)
+    assert 55 < host < 90 and 2.5 < on_gpu < 3.5
