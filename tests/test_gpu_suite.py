@@ -520,6 +520,85 @@ def test_replay_with_text_tokens_and_its_usp_equivalent(monkeypatch):
     assert out.shape == (1, 3, r.usp_queries, 16)
 
 
+class _StreamJoins:
+    """``torch.cuda``'s streams and events as CUDA graph capture sees them: work recorded on a
+    stream forked from the origin stream is unjoined until the origin waits on that stream or
+    on its latest event (capture ends with 'capturing stream has unjoined work' otherwise)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import contextlib
+        joins = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0) -> None:
+                self.records = 0   # events recorded on it
+                self.joined = 0    # of them, joined into the origin
+
+            def wait_stream(self, other) -> None:
+                if self is joins.origin:
+                    other.joined = other.records
+
+            def wait_event(self, event) -> None:
+                if self is joins.origin and event.stream is not None:
+                    event.stream.joined = max(event.stream.joined, event.n)
+
+        class Event:
+            def __init__(self, *a, **k) -> None:
+                self.stream, self.n = None, 0
+
+            def record(self, stream=None) -> None:
+                self.stream = stream or joins.current
+                self.stream.records += 1
+                self.n = self.stream.records
+
+        @contextlib.contextmanager
+        def stream_ctx(s):
+            before, joins.current = joins.current, s
+            try:
+                yield
+            finally:
+                joins.current = before
+
+        self.origin = self.current = Stream()
+        self.Stream = Stream
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: joins.current)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
+def test_the_replayed_layer_joins_every_transfer_stream_before_it_returns(monkeypatch):
+    """CUDA graph capture of the layer ends with 'capturing stream has unjoined work' unless
+    every transfer stream forked from the capturing stream is joined back before it returns."""
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    joins = _StreamJoins(monkeypatch)
+    r = replay.build_layer(kernel.ModelShape("m", 24, 16, 32 * 4, joint=3), torch.device("cpu"),
+                           torch.float32)
+    comm = r.comm
+    comm._cuda, comm._used = True, {}
+    comm._pools = {q: [joins.Stream() for _ in range(2)] for q in ("ring", "other")}
+    comm._turn = dict.fromkeys(comm._pools, 0)
+    r()
+    streams = [s for pool in comm._pools.values() for s in pool]
+    assert sum(s.records for s in streams) > 0
+    assert [(s.records, s.joined) for s in streams if s.joined < s.records] == []
+
+
+def test_the_replay_draws_nothing_from_the_default_generator():
+    """A failed CUDA graph capture left the H100's default generator unusable and the next
+    input draw failed the whole replay stage ('Offset increment outside graph capture')."""
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    torch.manual_seed(5)
+    before = torch.random.get_rng_state()
+    r = replay.build_layer(kernel.ModelShape("m", 24, 16, 32 * 4, joint=3), torch.device("cpu"),
+                           torch.float32)
+    r()
+    replay.usp_single_kernel(r, "cpu")()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert r.q.std() > 0.5 and r.comm._buffers.entries()  # random inputs, filled buffers
+
+
 def test_replay_comm_copies_the_bytes_of_slices():
     from xfuser_swiftfusion.tools.gpu_suite.replay import ReplayComm
     comm = ReplayComm(0, 3, [0, 0, 1], 5.0)  # rank 1 on my machine, rank 2 on another

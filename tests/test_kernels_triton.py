@@ -172,3 +172,37 @@ def test_pick_config_falls_back_to_newest_known_arch():
 
 if __name__ == "__main__":
     report(_interpreter_cases())
+
+
+# -- chunk tables under CUDA graph capture ---------------------------------------------------------
+
+def test_captured_launches_copy_their_tables_from_pinned_slices_never_reused(monkeypatch):
+    """A captured host-to-device copy is replayed from its source: inside capture each table
+    comes from its own slice of the pinned arena (outside, from a temporary); the arena is
+    pinned by the first launch outside capture and full is an error naming the setting."""
+    from xfuser_swiftfusion.kernels import graph_tables as gt
+    capturing, sources = [False], []
+    monkeypatch.setattr(gt, "_arena", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(gt, "_pin", lambda n: torch.full((n,), -1, dtype=torch.int64))
+    monkeypatch.setattr(gt, "_upload", lambda t, device: sources.append(t) or t.clone())
+    monkeypatch.setenv(gt.ENTRIES_ENV, "8")
+    cuda = torch.device("cuda", 0)
+
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="warm-up"):
+        gt.device_table([1, 2], cuda)
+    capturing[0] = False
+    assert gt.device_table([1, 2, 3], cuda).tolist() == [1, 2, 3]
+    arena = gt._arena.memory
+    assert arena.numel() == 8 and sources[-1].data_ptr() != arena.data_ptr() and gt._arena.used == 0
+
+    capturing[0] = True
+    a = gt.device_table([4, 5, 6], cuda)
+    b = gt.device_table([7, 8, 9, 10], cuda)
+    assert a.tolist() == [4, 5, 6] and b.tolist() == [7, 8, 9, 10]
+    assert [s.data_ptr() for s in sources[-2:]] == [arena.data_ptr(), arena[3:].data_ptr()]
+    assert arena.tolist() == [4, 5, 6, 7, 8, 9, 10, -1]  # slices kept as captured
+    with pytest.raises(RuntimeError, match=f"{gt.ENTRIES_ENV}"):
+        gt.device_table([11, 12], cuda)
+    assert gt.device_table([0], torch.device("cpu")).tolist() == [0]  # the interpreter's tables

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .graph_tables import device_table
 from .interpret import interpreting
 from .state import AttnState, finalize
 
@@ -300,7 +301,7 @@ class _Plan:
     def table(self, cfg: KernelConfig) -> tuple[torch.Tensor, int]:
         """The chunk table on the device for ``cfg``'s query tiles, and the number of tiles."""
         n_tiles = _set_first_tiles(self.rows, self.n_q, cfg.block_m)
-        return torch.tensor(self.rows, dtype=torch.int64).to(self.device, non_blocking=True), n_tiles
+        return device_table(self.rows, self.device), n_tiles
 
     def launch(self, table: torch.Tensor, n_tiles: int, cfg: KernelConfig) -> None:
         _multi_chunk_attn_kernel[(n_tiles, self.B, self.H)](

@@ -68,6 +68,7 @@ class ReplayComm(OneSided):
         self._buffers = SymmetricBuffers()
         self._heap_bytes = 0
         self._cuda = self.device.type == "cuda"
+        self._gen = generator(self.device)
         if self._cuda:
             self._pools = {q: [torch.cuda.Stream(device=self.device) for _ in range(STREAMS_PER_QUEUE)]
                            for q in ("ring", "other")}
@@ -77,7 +78,7 @@ class ReplayComm(OneSided):
     def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         if dtype.is_floating_point:
-            t.normal_()
+            t.normal_(generator=self._gen)
         else:
             t.zero_()
         self._buffers.add(t, t)
@@ -150,6 +151,13 @@ class ReplayComm(OneSided):
         self._buffers.clear()
 
 
+def generator(device: torch.device, seed: int = 0) -> torch.Generator:
+    """A generator of the replay's own: a CUDA graph capture that fails leaves the device's
+    default generator unusable ('Offset increment outside graph capture'), and the rows after
+    it still draw inputs."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A flat uint8 tensor over ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -197,7 +205,8 @@ def build_layer(model: ModelShape, device: torch.device, dtype: torch.dtype = to
     io = OneSidedTorusIO(SPGroups(mesh, 0), comm, 0)
     layer = TorusAttention(SPEC, mesh, io, 0, [comm])
     S, D = -(-(model.tokens - model.joint) // W), model.head_dim
-    make = lambda n: torch.randn(1, heads, n, D, device=device).to(dtype)  # noqa: E731
+    gen = generator(device)
+    make = lambda n: torch.randn(1, heads, n, D, device=device, generator=gen).to(dtype)  # noqa: E731
     joint = Joint(make(model.joint), make(model.joint), make(model.joint), "front") if model.joint else None
     usp = choose_mesh(topo, model.heads, "usp")  # xFuser's USP: Ulysses x Ring degrees
     return ReplayLayer(model, layer, comm, make(S), make(S), make(S), joint, D ** -0.5, mesh,
@@ -209,7 +218,8 @@ def usp_single_kernel(r: ReplayLayer, name: str):
     ``r.usp_heads`` heads against ``r.keys`` keys) with backend ``name``'s op."""
     from ...kernels import torch_cuda
     D, device = r.model.head_dim, r.q.device
-    q, k, v = (torch.randn(1, r.usp_heads, n, D, device=device).to(r.q.dtype)
+    gen = generator(device, 1)
+    q, k, v = (torch.randn(1, r.usp_heads, n, D, device=device, generator=gen).to(r.q.dtype)
                for n in (r.usp_queries, r.keys, r.keys))
     if name == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -220,7 +230,9 @@ def usp_single_kernel(r: ReplayLayer, name: str):
 
 def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str]:
     """(median milliseconds per replay of the layer captured in a CUDA graph, or None; what
-    happened)."""
+    happened: the first error raised inside the capture, not the one ending the capture then
+    raises, e.g. 'capturing stream has unjoined work' for the transfers left mid-layer)."""
+    inside: list[BaseException] = []
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -229,12 +241,22 @@ def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str]:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            r()
+            try:
+                r()
+            except BaseException as exc:
+                inside.append(exc)
+                raise
     except Exception as exc:  # noqa: BLE001  (what cannot be captured is the finding)
         torch.cuda.synchronize()
-        return None, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:240]
+        first = inside[0] if inside else exc
+        return None, f"capture failed: {_first_line(first)}"[:300]
     ms = call_ms(graph.replay, r.q.device, quick)
     return ms, "captured"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _one_layer(r: ReplayLayer) -> dict[str, int]:
