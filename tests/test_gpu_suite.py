@@ -599,6 +599,19 @@ def test_the_replay_draws_nothing_from_the_default_generator():
     assert r.q.std() > 0.5 and r.comm._buffers.entries()  # random inputs, filled buffers
 
 
+def test_a_replayed_graph_is_compared_with_the_eager_layer_from_the_same_state():
+    """``same_output`` restores the symmetric buffers between its two runs: without that the
+    layer's second call differs from its first (its transfers change what the next one reads)."""
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    r = replay.build_layer(kernel.ModelShape("m", 24, 16, 32 * 4, joint=3), torch.device("cpu"),
+                           torch.float32)
+    r()
+    assert replay.same_output(r, r, r) == 0.0
+    assert (r().clone() - r()).abs().max() > replay.GRAPH_TOLERANCE
+    wrong = lambda: r() + 1  # noqa: E731
+    assert replay.same_output(r, r, wrong) == pytest.approx(1.0)
+
+
 def test_replay_comm_copies_the_bytes_of_slices():
     from xfuser_swiftfusion.tools.gpu_suite.replay import ReplayComm
     comm = ReplayComm(0, 3, [0, 0, 1], 5.0)  # rank 1 on my machine, rank 2 on another

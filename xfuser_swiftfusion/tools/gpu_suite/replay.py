@@ -16,7 +16,10 @@ CogVideoX 5B on 4 x 8 GPUs (``kernel.MODELS``; CPU stand-ins with ``--allow-cpu`
   the host time exceeds the GPU time the layer is host-bound on a real cluster too (its
   compute is the same there), and the row says so;
 * the same layer captured in a CUDA graph and replayed (``torch.cuda.graph``), where the
-  layer's calls allow capture (the row names the call that does not);
+  layer's calls allow capture (the row names the call that does not), its replayed output
+  checked against the eager layer's from the same state (``same_output``; a FAIL beyond
+  ``GRAPH_TOLERANCE``); where the host cannot run ahead of the GPU (``HostWaits``), the
+  replay's time is the layer's GPU time;
 * xFuser's USP-equivalent: one attention kernel over the same tokens (the rank's ``L / R``
   queries of its ``H / P_u`` heads, text included, against all keys), cuDNN as xFuser runs it
   on Hopper and torch's flash attention: the compute floor the layer's chunked launches and
@@ -24,6 +27,7 @@ CogVideoX 5B on 4 x 8 GPUs (``kernel.MODELS``; CPU stand-ins with ``--allow-cpu`
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -228,10 +232,26 @@ def usp_single_kernel(r: ReplayLayer, name: str):
     return lambda: op(q, k, v, r.scale)
 
 
-def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str]:
+GRAPH_TOLERANCE = 2e-2  # bf16: a replay computes what the eager layer does
+
+
+def same_output(r: ReplayLayer, first: Callable[[], torch.Tensor],
+                second: Callable[[], torch.Tensor]) -> float:
+    """Max abs difference between the outputs of ``first()`` and ``second()``, each run from
+    the symmetric buffers as they are now: what its transfers leave in them is the only state
+    the layer carries from call to call."""
+    saved = [(t, t.clone()) for t in r.comm._buffers.entries()]
+    a = first().clone()
+    for t, before in saved:
+        t.copy_(before)
+    return (a.float() - second().float()).abs().max().item()
+
+
+def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str, float | None]:
     """(median milliseconds per replay of the layer captured in a CUDA graph, or None; what
     happened: the first error raised inside the capture, not the one ending the capture then
-    raises, e.g. 'capturing stream has unjoined work' for the transfers left mid-layer)."""
+    raises, e.g. 'capturing stream has unjoined work' for the transfers left mid-layer; the
+    max abs difference of a replay's output from the eager layer's, or None)."""
     inside: list[BaseException] = []
     try:
         side = torch.cuda.Stream()
@@ -242,16 +262,21 @@ def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             try:
-                r()
+                out = r()
             except BaseException as exc:
                 inside.append(exc)
                 raise
     except Exception as exc:  # noqa: BLE001  (what cannot be captured is the finding)
         torch.cuda.synchronize()
         first = inside[0] if inside else exc
-        return None, f"capture failed: {_first_line(first)}"[:300]
-    ms = call_ms(graph.replay, r.q.device, quick)
-    return ms, "captured"
+        return None, f"capture failed: {_first_line(first)}"[:300], None
+
+    def replayed() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    diff = same_output(r, r, replayed)
+    return call_ms(graph.replay, r.q.device, quick), "captured", diff
 
 
 def _first_line(exc: BaseException) -> str:
@@ -285,34 +310,45 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         where = f"{model.name} rank 0 of 4x8 ({r.mesh.describe()})"
         layer_gpu: dict[str, float] = {}
         for name in names:
+            waits = host = gpu = None
             try:
                 with backend(name):
                     per_layer = _one_layer(r)
                     try:
                         host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
-                    except HostWaits as exc:  # a finding: the layer synchronizes inside
-                        wall = call_ms(r, device, quick)
-                        w.add(f"{where}: {_label(name)}", "INFO", f"{wall:.2f} ms per layer (wall); "
-                              f"{exc}", backend=name, wall_ms=wall, host_waits=True, **per_layer)
-                        continue
-                    graph_ms, graph_how = _graph_ms(r, quick) if cuda else (None, "CPU: no CUDA graphs")
+                    except HostWaits as exc:  # a finding: the host cannot run ahead of the GPU
+                        waits, wall = exc, call_ms(r, device, quick)
+                    graph_ms, graph_how, diff = (_graph_ms(r, quick) if cuda
+                                                 else (None, "CPU: no CUDA graphs", None))
             except Exception as exc:  # noqa: BLE001  (one backend's error costs its row only)
                 w.add(f"{where}: {_label(name)}", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
                 continue
-            layer_gpu[name] = gpu
-            bound = ("host-bound: the host issues the layer slower than the GPU runs it"
-                     if host > gpu else "GPU-bound")
-            timing = f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer: {bound}"
-            if not cuda:
+            if waits is not None:
+                timing = f"{wall:.2f} ms per layer (wall); {waits}"
+                gpu = graph_ms  # the GPU's time for the layer: its replay, without the host
+            elif cuda:
+                bound = ("host-bound: the host issues the layer slower than the GPU runs it"
+                         if host > gpu else "GPU-bound")
+                timing = f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer: {bound}"
+            else:
                 timing = f"{gpu:.2f} ms per layer (CPU stand-in: host and compute are one)"
-            graph = f"CUDA graph {graph_ms:.2f} ms" if graph_ms is not None else graph_how
-            w.add(f"{where}: {_label(name)}", "INFO",
+            if gpu is not None:
+                layer_gpu[name] = gpu
+            graph = graph_how
+            if graph_ms is not None:
+                graph = (f"CUDA graph {graph_ms:.2f} ms, its output "
+                         + ("equals" if diff <= GRAPH_TOLERANCE else "DIFFERS FROM")
+                         + f" the eager layer's (max diff {diff:.1e})")
+            w.add(f"{where}: {_label(name)}",
+                  "FAIL" if diff is not None and not diff <= GRAPH_TOLERANCE else "INFO",
                   f"{timing}; {graph}; "
                   f"{per_layer['attend_calls']} attend calls, {per_layer['copies']} copies for "
                   f"{(per_layer['inter_node_bytes'] + per_layer['intra_node_bytes']) / 2**20:.1f} MiB "
-                  "of transfers", backend=name, gpu_ms=gpu, host_ms=host, host_bound=host > gpu,
-                  graph_ms=graph_ms, graph=graph_how, mesh=r.mesh.describe(), T=T, U=U, R=R,
-                  stand_in=not cuda, **per_layer)
+                  "of transfers", backend=name, gpu_ms=gpu, host_ms=host,
+                  host_bound=None if host is None else host > gpu, host_waits=waits is not None,
+                  wall_ms=wall if waits is not None else None, graph_ms=graph_ms, graph=graph_how,
+                  graph_diff=diff, mesh=r.mesh.describe(), T=T, U=U, R=R, stand_in=not cuda,
+                  **per_layer)
         single = {}
         for name in [n for n in ("cudnn", "torch", "cpu") if n in names]:
             try:

@@ -87,7 +87,8 @@ def host_and_gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 
             if behind is not None and sleep_ms >= 2 * behind and issued >= 0.8 * sleep_ms:
                 raise HostWaits(f"the call kept the host {issued:.0f} ms behind a {sleep_ms:.0f} ms "
                                 f"sleep kernel ({behind:.0f} ms behind a shorter one): it waits "
-                                "for the GPU (a synchronizing call inside)")
+                                "for the GPU (a synchronizing call inside, or more kernel launches "
+                                "than the GPU's launch queue holds while it sleeps)")
             behind = issued
             sleep_ms = max(sleep_ms * 4, issued * 2)
             if sleep_ms > 10_000:
