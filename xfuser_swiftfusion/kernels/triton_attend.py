@@ -167,8 +167,8 @@ class KernelConfig:
     num_stages: int
 
 
-# TABLES[(head_dim, table)] = (config for full grids, config for small grids). Not timed on
-# hardware (no GPU was available): chosen from the AOT compile so that no entry spills
+# TABLES[(head_dim, table)] = (config for full grids, config for small grids). Not tuned on
+# hardware (timed on an H100 only: docs/gpu-suite.md): chosen from the AOT compile so that no entry spills
 # registers and shared memory fits every GPU the table serves (tests/test_kernel_choice.py
 # compiles each entry for each of them):
 #   80: sm_80, sm_87                      (A100; 163 KiB shared memory per block)
