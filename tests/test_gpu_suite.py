@@ -752,36 +752,26 @@ class _FakeGPU:
         self.busy_until = max(time.monotonic(), self.busy_until) + seconds
 
 
-def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch):
-    """The GPU-only timing of the replay, on a fake GPU: 2 ms of host issue for 6 ms of GPU work
-    (GPU-bound), and a call that waits for the GPU (HostWaits)."""
+@pytest.mark.parametrize("host_s, gpu_s, waits", [
+    (0.002, 0.006, False),  # GPU-bound
+    (0.06, 0.003, False),   # a host slower than the first 50 ms sleep (the H100's cudnn layers)
+    (None, 0.001, True),    # a call that waits for the GPU
+])
+def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch, host_s, gpu_s, waits):
+    """The GPU-only timing of the replay, on a fake GPU: host issue and GPU work apart, and a
+    call that waits for the GPU (HostWaits) told from a host that outlasts the first sleep."""
     from xfuser_swiftfusion.tools.gpu_suite import timing
     gpu = _FakeGPU(monkeypatch)
 
     def layer():
-        time.sleep(0.002)
-        gpu.queue(0.006)
+        # None: e.g. .item() inside, the host waits until the GPU is done
+        time.sleep(max(0.0, gpu.busy_until - time.monotonic()) if host_s is None else host_s)
+        gpu.queue(gpu_s)
 
-    host, on_gpu = timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=3)
-    assert 1.5 < host < 5.0 and 5.5 < on_gpu < 6.5
-
-    def synchronizing():
-        time.sleep(max(0.0, gpu.busy_until - time.monotonic()))  # e.g. .item() inside
-        gpu.queue(0.001)
-
-    with pytest.raises(timing.HostWaits, match="waits for the GPU"):
-        timing.host_and_gpu_ms(synchronizing, torch.device("cuda"), reps=3)
-
-
-def test_a_host_slower_than_the_first_sleep_is_host_bound_not_waiting(monkeypatch):
-    """The H100 run's cudnn and torch-flash layers: 81 ms of host issue outlasted the 50 ms
-    sleep and were called a synchronizing call; a longer sleep tells the two apart."""
-    from xfuser_swiftfusion.tools.gpu_suite import timing
-    gpu = _FakeGPU(monkeypatch)
-
-    def slow_host():
-        time.sleep(0.06)
-        gpu.queue(0.003)
-
-    host, on_gpu = timing.host_and_gpu_ms(slow_host, torch.device("cuda"), reps=2)
-    assert 55 < host < 90 and 2.5 < on_gpu < 3.5
+    if waits:
+        with pytest.raises(timing.HostWaits, match="waits for the GPU"):
+            timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=3)
+        return
+    host, on_gpu = timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=2)
+    assert host_s * 1e3 * 0.9 < host < host_s * 1e3 * 1.5 + 3
+    assert gpu_s * 1e3 - 0.5 < on_gpu < gpu_s * 1e3 + 0.5
