@@ -316,6 +316,21 @@ def test_calibrate_writes_a_profile_the_model_runs(tmp_path, capsys):
     assert 0 < p.compute_s < p.latency_s
 
 
+def test_calibrate_measures_collectives_between_two_of_three_machines(tmp_path, capsys):
+    """With 3 machines the collectives are measured across all three and between two
+    (``inter1``, the rate of a group spanning two machines); an odd machine out idles."""
+    from xfuser_swiftfusion.hardware import load_profile
+    out = tmp_path / "emu.json"
+    assert cli.main(["calibrate", "--emulate", "3x1", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    prof = load_profile(out)
+    for kind in ("all_to_all", "all_gather"):
+        assert prof.transfers[kind]["inter1"].bw > 0 and f"{kind:<12} inter1" in text
+        assert prof.rate(kind, "inter", 1) is prof.transfers[kind]["inter1"]
+        assert prof.rate(kind, "inter", 2) is prof.transfers[kind]["inter"]
+    assert "inter1" not in prof.transfers["exchange"]
+
+
 def test_the_stored_check_against_measurements_holds():
     """``scripts/check_cost_model.py``'s stored run (benchmarks/results/check-cost-model.json:
     the measured rows and the profiles calibrated beside them): the model of this checkout

@@ -156,3 +156,20 @@ def test_folded_machines_predict_what_every_rank_predicts(monkeypatch):
     topo = Topology(3, 4)
     mesh = choose_mesh(topo, 6, "usp", 6)
     assert timeline.machine_period(programs(get("usp"), mesh, Workload(1, 1200, 6, 64)), topo) == 3
+
+
+def test_a_collective_to_one_other_machine_takes_the_two_machine_rate():
+    """An all-to-all of 3 machines (1 MB to each other machine) at the ``inter`` rate; the same
+    bytes within a pair of machines at ``inter1`` (2 MB/s here) where the profile has it."""
+    pair = {"intra": Rate(10 * MB, LAT), "inter": Rate(1 * MB, LAT), "inter1": Rate(2 * MB, LAT)}
+    fast = dict(transfers={k: pair for k in ("exchange", "all_to_all", "all_gather", "get", "put")})
+
+    def a2a(rank, group):
+        peers = tuple((p, MB) for p in group if p != rank)
+        return [Transfer("a", "all_to_all", "other", peers, peers), Wait(("a",))]
+
+    three = [a2a(r, (0, 1, 2)) for r in range(3)]
+    assert run(three, "3x1", **fast) == pytest.approx([LAT + 2.0] * 3)  # 2 MB up each link at 1 MB/s
+    two = [a2a(0, (0, 1)), a2a(1, (0, 1)), []]
+    assert run(two, "3x1", **fast)[:2] == pytest.approx([LAT + 0.5] * 2)  # fan-out 1: inter1
+    assert run(two, "3x1")[:2] == pytest.approx([LAT + 1.0] * 2)  # no inter1: the inter rate

@@ -10,7 +10,10 @@ Rates (docs/cost-model.md):
 - ``transfers[kind][locality]`` (``kind``: ``ops.KINDS``; ``locality``: ``intra`` / ``inter``):
   ``bw`` bytes/s, within a machine per GPU and direction, across machines per machine link and
   direction (all its GPUs sending at once); ``latency_s`` per call (per put/get one-sided);
-  ``cpu_s_per_byte``: host CPU time a byte costs (a shared host; 0 on GPUs);
+  ``cpu_s_per_byte``: host CPU time a byte costs (a shared host; 0 on GPUs). A collective's
+  ``inter`` rate is measured with every machine in its group (each machine sending to all
+  others at once); optional ``inter1`` (``FANOUT_1``): the same collective between two
+  machines, which serves the transfers whose peers are on one other machine (``rate``);
 - ``attention[dtype][D]``: measured ``(Lq, Lk, FLOP/s)`` points of one attend call per
   ``attention_bh`` rows of heads (B*h), interpolated log-log, clamped at the edges;
   ``merge_s_per_elem``: merging / finalizing one output element; ``attend_call_s``,
@@ -49,6 +52,7 @@ logger = get_logger(__name__)
 
 FORMAT = "swiftfusion-hardware/1"
 LOCALITIES = ("intra", "inter")
+FANOUT_1 = "inter1"  # a collective's rate between two machines (module docstring)
 CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
 LINK_ENV = "SWIFTFUSION_LINK_MBIT"  # set by the CPU cluster emulation on throttled links
 HARDWARE_ENV = "SWIFTFUSION_HARDWARE"  # a profile name or a profile file
@@ -85,8 +89,13 @@ class HardwareProfile:
     source: str = ""
     measured: dict = field(default_factory=dict)
 
-    def rate(self, kind: str, locality: str) -> Rate:
-        return self.transfers[kind][locality]
+    def rate(self, kind: str, locality: str, fanout: int | None = None) -> Rate:
+        """The rate of ``kind`` at ``locality``; across machines with ``fanout`` 1 (the
+        transfer's peers on one other machine) the ``inter1`` rate where measured."""
+        rates = self.transfers[kind]
+        if locality == "inter" and fanout == 1 and FANOUT_1 in rates:
+            return rates[FANOUT_1]
+        return rates[locality]
 
     def flops(self, dtype: str, head_dim: int, lq: int, lk: int) -> float:
         """Attention FLOP/s of one call of ``lq`` queries x ``lk`` keys (per core on a shared
@@ -307,6 +316,6 @@ def _cached_file(path: str, mtime_ns: int) -> HardwareProfile:
     return load_profile(path)
 
 
-__all__ = ["CPU_PROFILE_PATH", "FORMAT", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
+__all__ = ["CPU_PROFILE_PATH", "FANOUT_1", "FORMAT", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Rate", "cpu_profile", "get_profile", "host_cpu", "is_path",
            "load_profile", "save_profile"]

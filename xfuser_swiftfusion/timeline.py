@@ -11,7 +11,9 @@ on finished:
 - a transfer starts after the host issued it and the compute stream reached it (a transfer
   is ordered after the compute issued before it, as on a CUDA side stream); two-sided
   messages start when both ends posted them (sends and receives of a pair match in order),
-  one-sided ones when the initiator did; then its latency passes, then its bytes flow;
+  one-sided ones when the initiator did; then its latency passes, then its bytes flow, at the
+  profile's rate for its kind, locality and fan-out (a collective whose peers are on one
+  other machine takes the two-machine rate where the profile has one);
 - queues: one-sided transfers of a rank's queue run one after another (a stream), at most
   ``one_sided_depth`` at once (the emulation's proxy keeps two in flight); two-sided ones one
   after another with ``two_sided_fifo`` (one NCCL stream per queue), else concurrently with
@@ -109,12 +111,18 @@ class _Builder:
         res = self._cpu(rank) if self.p.host_waits or self.p.host_cores is not None else ("dev", rank)
         return self.g.add(deps, _WORK, seconds, {res: seconds})
 
-    def message(self, kind: str, src: int, dst: int, nbytes: int, deps) -> int:
-        """Latency, then ``nbytes`` from ``src`` to ``dst`` (real ranks) over their path."""
+    def fanout(self, rank: int, op: Transfer) -> int:
+        """Other machines among the peers of ``rank``'s transfer ``op``."""
+        node = self.topo.node_of
+        return len({node(p) for p, _ in (*op.sends, *op.recvs)} - {node(rank)})
+
+    def message(self, kind: str, src: int, dst: int, nbytes: int, deps, fanout: int | None = None) -> int:
+        """Latency, then ``nbytes`` from ``src`` to ``dst`` (real ranks) over their path, at
+        the rate of ``kind`` for its locality and the sender's ``fanout`` (``HardwareProfile.rate``)."""
         node = self.topo.node_of
         local = node(src) == node(dst)
         src, dst = self.image(src), self.image(dst)
-        rate = self.p.rate(kind, "intra" if local else "inter")
+        rate = self.p.rate(kind, "intra" if local else "inter", fanout)
         d: dict = defaultdict(float)
         if local:
             if math.isfinite(rate.bw):
@@ -184,18 +192,19 @@ class _Builder:
                     open_.append(done)
                     queue.append(done)
                     self.transfers.append((rank, op, issue, done))
+                    fan = self.fanout(rank, op)
                     if op.kind in ("get", "put"):
                         for peer, n in op.recvs:
-                            g.deps[done].append(self.message(op.kind, peer, rank, n, [issue]))
+                            g.deps[done].append(self.message(op.kind, peer, rank, n, [issue], fan))
                         for peer, n in op.sends:
-                            g.deps[done].append(self.message(op.kind, rank, peer, n, [issue]))
+                            g.deps[done].append(self.message(op.kind, rank, peer, n, [issue], fan))
                     else:
                         for peer, n in op.sends:
                             msgs[self._key(rank, peer), op.queue, op.kind].append(
-                                ("send", n, issue, done, rank, peer))
+                                ("send", n, issue, done, rank, peer, fan))
                         for peer, n in op.recvs:
                             msgs[self._key(peer, rank), op.queue, op.kind].append(
-                                ("recv", n, issue, done, peer, rank))
+                                ("recv", n, issue, done, peer, rank, fan))
                 elif isinstance(op, Wait):
                     stream = g.add([stream, *(handles[h] for h in op.handles)])
                     if sync:
@@ -223,12 +232,13 @@ class _Builder:
             sends = [e for e in ends if e[0] == "send"]
             recvs = [e for e in ends if e[0] == "recv"]
             if len(sends) != len(recvs):
-                src, dst = (sends or recvs)[0][4:]
+                src, dst = (sends or recvs)[0][4:6]
                 raise ValueError(f"{kind} on queue {queue!r}: rank {src} sends {len(sends)} messages "
                                  f"to rank {dst}, which receives {len(recvs)}")
             prev = None
-            for (_, n, s_issue, s_done, src, dst), (_, _, r_issue, r_done, _, _) in zip(sends, recvs):
-                m = self.message(kind, src, dst, n, [s_issue, r_issue, prev if fifo_pair else None])
+            for (_, n, s_issue, s_done, src, dst, fan), (_, _, r_issue, r_done, *_) in zip(sends, recvs):
+                m = self.message(kind, src, dst, n, [s_issue, r_issue, prev if fifo_pair else None],
+                                 fan)
                 prev = m
                 g.deps[s_done].append(m)
                 g.deps[r_done].append(m)

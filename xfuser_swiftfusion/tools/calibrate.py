@@ -10,8 +10,11 @@ figure the median over ``reps`` repetitions of the slowest rank's time:
   (``OneSided``): every rank sends to the next rank of its machine / to its peer on the next
   machine and receives from the previous one; a tiny message gives the latency, a large one
   (sized to take ~0.3 s) the bandwidth: per GPU within a machine, per machine link across
-  machines (all its GPUs at once); the host's cost of issuing a call; on a shared host (CPU
-  ranks) the CPU time a byte costs (process CPU of every rank over the bytes moved);
+  machines (all its GPUs at once); the collectives across machines run on each local index's
+  ranks of every machine (each machine sending to all others at once) and, with 3 or more
+  machines, of two machines (``inter1``: the rate of a group spanning two, as xFuser's Ulysses
+  groups often do); the host's cost of issuing a call; on a shared host (CPU ranks) the CPU
+  time a byte costs (process CPU of every rank over the bytes moved);
 - ``barrier_all`` and a machine's ``barrier`` / ``sync``;
 - the local attention kernel (``kernels.attend``) at head dims x dtypes x query/key lengths
   (a grid, plus the exact calls the schedules launch for ``--workload``s), its cost per
@@ -35,9 +38,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..hardware import LOCALITIES, HardwareProfile, Rate, host_cpu, save_profile
+from ..hardware import FANOUT_1, LOCALITIES, HardwareProfile, Rate, host_cpu, save_profile
 from ..strategies.ops import KINDS, Attend
 from ..topology import Topology
+
+COLLECTIVES = ("all_to_all", "all_gather")  # measured also between two machines (FANOUT_1)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GRID_Q = (256, 1024, 4096)
@@ -153,6 +158,14 @@ class _Transfers:
             g = dist.new_group(list(range(j, W, M)))
             if j == i:
                 self.groups["inter"] = g
+        # with 3+ machines, collectives between two: machines (2m, 2m + 1), each local index
+        # (an odd machine out idles); with 2 the "inter" groups are these already
+        self.pairs = N >= 3
+        for m in range(N // 2 if self.pairs else 0):
+            for j in range(M):
+                g = dist.new_group([2 * m * M + j, (2 * m + 1) * M + j])
+                if t // 2 == m and j == i:
+                    self.groups[FANOUT_1] = g
         self.two = make_two_sided(rank=rank, world_size=W, node_of=node_of, timeout_s=cfg.timeout_s)
         self.one = make_one_sided(cfg.comm, rank=rank, world_size=W, node_of=node_of,
                                   timeout_s=cfg.timeout_s)
@@ -179,7 +192,9 @@ class _Transfers:
             nxt, prv = self.peers[loc]
             s, r = torch.zeros(n, dtype=dtype, device=dev), torch.empty(n, dtype=dtype, device=dev)
             return lambda: self.two.exchange([(s, nxt)], [(r, prv)], what="calibrate").wait()
-        group = self.groups[loc]
+        group = self.groups.get(loc)
+        if group is None:  # the machine left out of the pairs (FANOUT_1)
+            return lambda: None
         G = dist.get_world_size(group)
         if kind == "all_to_all":
             s, r = torch.zeros(G * n, dtype=dtype, device=dev), torch.empty(G * n, dtype=dtype, device=dev)
@@ -190,8 +205,8 @@ class _Transfers:
 
     def _sent(self, kind: str, loc: str, n: int) -> int:
         """Elements one rank sends to others in one call."""
-        if kind in ("all_to_all", "all_gather"):
-            return n * (dist.get_world_size(self.groups[loc]) - 1)
+        if kind in COLLECTIVES:
+            return n * (2 - 1 if loc == FANOUT_1 else dist.get_world_size(self.groups[loc]) - 1)
         return n
 
     def measure(self, kind: str, loc: str) -> dict:
@@ -211,11 +226,12 @@ class _Transfers:
         t, cpu = self.clock.time(self._op(kind, loc, n), cpu=True)
         sent = self._sent(kind, loc, n) * itemsize
         per_rank = sent / max(t - lat, t / 2)
-        M = self.topo.gpus_per_node
-        out = {"bw": per_rank * (M if loc == "inter" else 1), "latency_s": lat, "bytes": sent,
+        N, M = self.topo.nodes, self.topo.gpus_per_node
+        out = {"bw": per_rank * (1 if loc == "intra" else M), "latency_s": lat, "bytes": sent,
                "seconds": t}
         if self.shared_host:
-            out["cpu_s_per_byte"] = cpu / (sent * self.topo.world_size)
+            senders = N // 2 * 2 * M if loc == FANOUT_1 else self.topo.world_size
+            out["cpu_s_per_byte"] = cpu / (sent * senders)
         return out
 
     def depth(self) -> int:
@@ -360,6 +376,9 @@ def _rank_main(cfg: CalibrateConfig) -> dict | None:
                 continue
             for kind in KINDS:
                 raw.transfers.setdefault(kind, {})[loc] = tr.measure(kind, loc)
+        if tr.pairs:  # every rank alike: the measurements are collective
+            for kind in COLLECTIVES:
+                raw.transfers[kind][FANOUT_1] = tr.measure(kind, FANOUT_1)
         raw.transfer_call_s = tr.issue_cost() if tr.peers else 0.0
         raw.barrier_s, raw.sync_s = tr.barriers()
         raw.one_sided_depth = tr.depth()
@@ -397,6 +416,10 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
                 rates[loc] = Rate(math.inf, lat, min(cores, W) / (W * m["bw"]))
             else:
                 rates[loc] = Rate(m["bw"], lat, m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
+        if FANOUT_1 in got:
+            m = got[FANOUT_1]
+            rates[FANOUT_1] = Rate(m["bw"], max(m["latency_s"] - issue, 0.0),
+                                   m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
         transfers[kind] = rates
     attention = {dt: {int(D): tuple((lq, lk, f * per_core) for lq, lk, f in pts)
                       for D, pts in t.items()} for dt, t in raw["attention"].items()}
@@ -429,14 +452,14 @@ def format_table(prof: HardwareProfile, raw: dict, link_mbit: float | None) -> s
              + ("   vs link" if link_mbit else "")]
     wire = link_mbit * 1e6 / 8 if link_mbit else None
     for kind in KINDS:
-        for loc in LOCALITIES:
+        for loc in (*LOCALITIES, FANOUT_1):
             m = raw["transfers"].get(kind, {}).get(loc)
             if m is None:
                 continue
             r = prof.transfers[kind][loc]
             bw = m["bw"]
-            vs = f"   {100 * (bw / wire - 1):+.0f} %" if wire and loc == "inter" else ""
-            per = "/s per machine" if loc == "inter" else "/s per rank"
+            vs = f"   {100 * (bw / wire - 1):+.0f} %" if wire and loc != "intra" else ""
+            per = "/s per machine" if loc != "intra" else "/s per rank"
             lines.append(f"{kind:<12} {loc:<6} {_si(bw, 'B') + per:>14} {m['latency_s'] * 1e6:>8.0f} us "
                          f"{r.cpu_s_per_byte * 1e9:>9.2f}{vs}")
     lines.append(f"barrier {prof.barrier_s * 1e6:.0f} us, sync {prof.sync_s * 1e6:.0f} us; one-sided queue "
