@@ -12,8 +12,8 @@ figure the median over ``reps`` repetitions of the slowest rank's time:
   (sized to take ~0.3 s) the bandwidth: per GPU within a machine, per machine link across
   machines (all its GPUs at once); the collectives across machines run on each local index's
   ranks of every machine (each machine sending to all others at once) and, with 3 or more
-  machines, of two machines (``inter1``: the rate of a group spanning two, as xFuser's Ulysses
-  groups often do); the host's cost of issuing a call; on a shared host (CPU ranks) the CPU
+  machines, on every rank of two machines (``inter1``: the rate of a group spanning two, as
+  xFuser's Ulysses groups often do; its bytes across machines over the time); the host's cost of issuing a call; on a shared host (CPU ranks) the CPU
   time a byte costs (process CPU of every rank over the bytes moved);
 - ``barrier_all`` and a machine's ``barrier`` / ``sync``;
 - the local attention kernel (``kernels.attend``) at head dims x dtypes x query/key lengths
@@ -158,14 +158,13 @@ class _Transfers:
             g = dist.new_group(list(range(j, W, M)))
             if j == i:
                 self.groups["inter"] = g
-        # with 3+ machines, collectives between two: machines (2m, 2m + 1), each local index
-        # (an odd machine out idles); with 2 the "inter" groups are these already
+        # with 3+ machines, collectives over every rank of two machines (2m, 2m + 1), the
+        # shape of a Ulysses group spanning two (an odd machine out idles)
         self.pairs = N >= 3
         for m in range(N // 2 if self.pairs else 0):
-            for j in range(M):
-                g = dist.new_group([2 * m * M + j, (2 * m + 1) * M + j])
-                if t // 2 == m and j == i:
-                    self.groups[FANOUT_1] = g
+            g = dist.new_group(list(range(2 * m * M, (2 * m + 2) * M)))
+            if t // 2 == m:
+                self.groups[FANOUT_1] = g
         self.two = make_two_sided(rank=rank, world_size=W, node_of=node_of, timeout_s=cfg.timeout_s)
         self.one = make_one_sided(cfg.comm, rank=rank, world_size=W, node_of=node_of,
                                   timeout_s=cfg.timeout_s)
@@ -205,8 +204,10 @@ class _Transfers:
 
     def _sent(self, kind: str, loc: str, n: int) -> int:
         """Elements one rank sends to others in one call."""
+        if loc == FANOUT_1:  # what crosses machines: n to (from) each rank of the other
+            return n * self.topo.gpus_per_node
         if kind in COLLECTIVES:
-            return n * (2 - 1 if loc == FANOUT_1 else dist.get_world_size(self.groups[loc]) - 1)
+            return n * (dist.get_world_size(self.groups[loc]) - 1)
         return n
 
     def measure(self, kind: str, loc: str) -> dict:
