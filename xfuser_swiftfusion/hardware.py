@@ -12,8 +12,8 @@ Rates (docs/cost-model.md):
   direction (all its GPUs sending at once); ``latency_s`` per call (per put/get one-sided);
   ``cpu_s_per_byte``: host CPU time a byte costs (a shared host; 0 on GPUs). A collective's
   ``inter`` rate is measured with every machine in its group (each machine sending to all
-  others at once); optional ``inter1`` (``FANOUT_1``): the same collective between two
-  machines, which serves the transfers whose peers are on one other machine (``rate``);
+  others at once); optional ``inter1`` (``FANOUT_1``): the same collective over every rank of
+  two machines, which serves the transfers whose peers are on one other machine (``rate``);
 - ``attention[dtype][D]``: measured ``(Lq, Lk, FLOP/s)`` points of one attend call per
   ``attention_bh`` rows of heads (B*h), interpolated log-log, clamped at the edges;
   ``merge_s_per_elem``: merging / finalizing one output element; ``attend_call_s``,

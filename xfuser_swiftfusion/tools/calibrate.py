@@ -13,8 +13,9 @@ figure the median over ``reps`` repetitions of the slowest rank's time:
   machines (all its GPUs at once); the collectives across machines run on each local index's
   ranks of every machine (each machine sending to all others at once) and, with 3 or more
   machines, on every rank of two machines (``inter1``: the rate of a group spanning two, as
-  xFuser's Ulysses groups often do; its bytes across machines over the time); the host's cost of issuing a call; on a shared host (CPU ranks) the CPU
-  time a byte costs (process CPU of every rank over the bytes moved);
+  xFuser's Ulysses groups often do; its bytes across machines over the time); the host's cost
+  of issuing a call; on a shared host (CPU ranks) the CPU time a byte costs (process CPU of
+  every rank over the bytes moved);
 - ``barrier_all`` and a machine's ``barrier`` / ``sync``;
 - the local attention kernel (``kernels.attend``) at head dims x dtypes x query/key lengths
   (a grid, plus the exact calls the schedules launch for ``--workload``s), its cost per
