@@ -404,6 +404,11 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
     per_core = max(1.0, W / cores) if cpu else 1.0   # ranks per core while all computed
     measured = raw["transfers"]
     issue = raw["transfer_call_s"]  # the timeline adds it before each transfer's latency
+    def link(m: dict) -> Rate:
+        """A measured link's rate: its bandwidth, latency and (shared host) CPU per byte."""
+        return Rate(m["bw"], max(m["latency_s"] - issue, 0.0),
+                    m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
+
     transfers = {}
     for kind in KINDS:
         got = measured.get(kind, {})
@@ -412,16 +417,13 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
             m = got.get(loc) or got.get("inter" if loc == "intra" else "intra")
             if m is None:  # one rank: nothing to measure, nothing to move
                 rates[loc] = Rate(math.inf, 0.0)
-                continue
-            lat = max(m["latency_s"] - issue, 0.0)
-            if cpu and loc == "intra" and loc in got:  # CPU-bound: the cores it takes
-                rates[loc] = Rate(math.inf, lat, min(cores, W) / (W * m["bw"]))
+            elif cpu and loc == "intra" and loc in got:  # CPU-bound: the cores it takes
+                rates[loc] = Rate(math.inf, max(m["latency_s"] - issue, 0.0),
+                                  min(cores, W) / (W * m["bw"]))
             else:
-                rates[loc] = Rate(m["bw"], lat, m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
+                rates[loc] = link(m)
         if FANOUT_1 in got:
-            m = got[FANOUT_1]
-            rates[FANOUT_1] = Rate(m["bw"], max(m["latency_s"] - issue, 0.0),
-                                   m.get("cpu_s_per_byte", 0.0) if cpu else 0.0)
+            rates[FANOUT_1] = link(got[FANOUT_1])
         transfers[kind] = rates
     attention = {dt: {int(D): tuple((lq, lk, f * per_core) for lq, lk, f in pts)
                       for D, pts in t.items()} for dt, t in raw["attention"].items()}
