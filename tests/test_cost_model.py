@@ -21,6 +21,7 @@ from xfuser_swiftfusion.mesh import choose_mesh, counted_inter_node_elements
 from xfuser_swiftfusion.strategies import get, ring, tas, torus
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
+from support.scripts import load_script
 
 STRATS = ("usp", "tas", "torus", "swiftfusion")
 P4DE = GPU_PROFILES["p4de"]
@@ -336,12 +337,9 @@ def test_the_stored_check_against_measurements_holds():
     the measured rows and the profiles calibrated beside them): the model of this checkout
     still predicts them as well as the run reported, and ``--recalibrate``'s table judges auto
     only where the profile picks what ran."""
-    import importlib.util
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("check_cost_model", root / "scripts" / "check_cost_model.py")
-    ccm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ccm)
+    ccm = load_script("check_cost_model")
     stored = json.loads((root / "benchmarks" / "results" / "check-cost-model.json").read_text())
     profiles = {(k.split("@")[0], float(k.split("@")[1])): str(root / v)
                 for k, v in stored["profiles"].items()}
@@ -360,12 +358,7 @@ def test_the_stored_check_against_measurements_holds():
 def test_check_links_summary_counts_kinds_and_each_clusters_fastest_kind():
     """The link summary of ``check_cost_model.py``: every kind within +-15 %, and per cluster
     its fastest kind (the link's rate as the best transport carries it) within +-15 %."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_cost_model.py"
-    spec = importlib.util.spec_from_file_location("check_cost_model", path)
-    ccm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ccm)
+    ccm = load_script("check_cost_model")
     links = {"a@80": {"exchange": -20.0, "get": -10.0},     # fastest -10: recovered
              "b@2000": {"exchange": -30.0, "get": -16.0},   # fastest -16: not
              "c@160": {"exchange": 20.0, "get": -40.0}}     # fastest +20 (over the line): not

@@ -307,11 +307,8 @@ def test_link_ceiling_script_measures_the_throttled_rate():
     """``scripts/bench_link_ceiling.py``: raw TCP over one emulated link, and over both links
     of 2 machines sending at once, comes out at the tbf rate (never above it: the qdisc
     throttles; not far below: nothing else runs)."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_link_ceiling.py")
-    spec = importlib.util.spec_from_file_location("bench_link_ceiling", path)
-    blc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(blc)
+    from support.scripts import load_script
+    blc = load_script("bench_link_ceiling")
     wire = 80e6 / 8
     (one,) = blc.measure(2, 80.0, 1.0, ring=False)
     both = blc.measure(2, 80.0, 1.0, ring=True)
