@@ -546,3 +546,80 @@ def test_queue_groups_free_their_threads_before_interpreter_teardown():
     after = int(re.search(r"after destroy: (\d+)", res.stdout).group(1))
     at_exit = int(re.search(r"at exit: (\d+)", res.stdout).group(1))
     assert after > 0 and at_exit == 0, res.stdout
+
+
+# -- on NCCL no wait blocks the host; the watchdog bounds them ---------------------------------
+
+class _NcclWork:
+    """A ``ProcessGroupNCCL`` work: ``wait(timeout=...)`` would block the host thread until the
+    work completes (``WorkNCCL::wait``), so it fails here; ``wait()`` orders the stream."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.stream_waits = done, 0
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None:
+            raise AssertionError("a host-blocking wait on an NCCL work (a timeout was given)")
+        self.stream_waits += 1
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """A one-rank gloo group that calls itself NCCL, with CUDA streams faked and every posted
+    batch a ``_NcclWork`` (never completing when ``state["hang"]``)."""
+    import contextlib
+    from xfuser_swiftfusion.comm import p2p
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    state = {"hang": False, "works": []}
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(p2p, "_nccl_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(p2p, "queue_groups", lambda: {"ring": None, "other": None})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+
+    def post(ops):
+        works = [_NcclWork(not state["hang"])]
+        state["works"] += works
+        return works
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", post)
+    yield state
+    if created:
+        dist.destroy_process_group()
+
+
+def test_nccl_waits_order_streams_and_never_block_the_host(fake_nccl):
+    """pytorch's WorkNCCL::wait blocks the host whenever a timeout is given: the two-sided
+    communicator's waits give none on NCCL (the torus overlap would be lost), and a batch that
+    never completes fails the communicator through the watchdog, naming rank, peers and stage."""
+    from xfuser_swiftfusion.comm.p2p import P2PCommunicator
+    comm = P2PCommunicator(0, 2, [0, 1], 0.3)
+    comm.abort_after_s = 60.0
+    try:
+        a, b = torch.zeros(4), torch.zeros(4)
+        h = comm.exchange([(a, 1)], [(b, 1)], what="Pull-KV stage 1", queue="other")
+        t0 = time.monotonic()
+        h.wait()
+        assert time.monotonic() - t0 < 0.1 and fake_nccl["works"][0].stream_waits == 1
+        fake_nccl["hang"] = True
+        comm.exchange([(a, 1)], [(b, 1)], what="Pull-KV stage 2", queue="other").wait()  # returns
+        deadline = time.monotonic() + 5
+        while comm._failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(CommTimeout, match=r"rank 0: 'Pull-KV stage 2': exchange with peers \[1\].*0\.3 s"):
+            comm.exchange([(a, 1)], [(b, 1)], what="Push-O", queue="other")
+    finally:
+        comm.close()

@@ -5,7 +5,8 @@ share one communicator and stream and block until matched: two ranks that both p
 first deadlock. gloo (CPU) does not block there, so correctness tests cannot see it; this test
 records the point-to-point calls instead. In every forked rank, ``torch.distributed``'s
 ``isend``/``irecv``/``send``/``recv``/``batch_isend_irecv`` (both the package names and the
-``distributed_c10d`` ones) and ``P2PCommunicator.exchange`` are wrapped; the parent asserts:
+``distributed_c10d`` ones) and the posts ``P2PCommunicator.prepare_exchange`` returns are
+wrapped; the parent asserts:
 
 - no point-to-point call outside ``batch_isend_irecv``;
 - every exchange with a peer other than myself is exactly one batch holding exactly its sends
@@ -81,20 +82,26 @@ def _install_recorder() -> dict:
     c10d.batch_isend_irecv = dist.batch_isend_irecv = w
 
     cls = p2p.P2PCommunicator
-    orig_exchange = cls.exchange
+    orig_prepare = cls.prepare_exchange
 
-    def exchange(self, sends, recvs, *, what, **kw):
-        ex = {"what": what, "queue": kw.get("queue"), "batches": [],
-              "sends": sorted(p for _, p in sends if p != self.rank),
-              "recvs": sorted(p for _, p in recvs if p != self.rank)}
-        outer, state["exchange"] = state["exchange"], ex
-        try:
-            return orig_exchange(self, sends, recvs, what=what, **kw)
-        finally:
-            state["exchange"] = outer
-            log["exchanges"].append(ex)
+    def prepare_exchange(self, sends, recvs, *, what, **kw):
+        """The exchange as the plan posts it: its batches are what its post issues."""
+        post = orig_prepare(self, sends, recvs, what=what, **kw)
+        peers = (sorted(p for _, p in sends if p != self.rank), sorted(p for _, p in recvs if p != self.rank))
 
-    cls.exchange = exchange
+        def recorded():
+            ex = {"what": what, "queue": kw.get("queue"), "batches": [], "sends": peers[0],
+                  "recvs": peers[1]}
+            outer, state["exchange"] = state["exchange"], ex
+            try:
+                return post()
+            finally:
+                state["exchange"] = outer
+                log["exchanges"].append(ex)
+
+        return recorded
+
+    cls.prepare_exchange = prepare_exchange
     return log
 
 

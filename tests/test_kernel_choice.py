@@ -185,8 +185,8 @@ def test_attend_routes_each_call_by_its_shape(monkeypatch):
     monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale: calls.append(("torch", q[0].shape[-1])))
     import xfuser_swiftfusion.kernels.triton_attend as triton_attend
 
-    monkeypatch.setattr(triton_attend, "attend_triton",
-                        lambda q, kv, s, scale, out: calls.append(("triton", q[0].shape[-1])))  # fmt: skip
+    monkeypatch.setattr(triton_attend, "prepare_triton",
+                        lambda q, kv, s, scale, out, cfg=None: lambda: calls.append(("triton", q[0].shape[-1])))  # fmt: skip
     for D, dtype in [(64, torch.bfloat16), (72, torch.bfloat16), (96, torch.float32), (128, torch.float16)]:
         q = torch.zeros(1, 2, 3, D, dtype=dtype)
         dispatch.attend([q], [(q, q)], [new_state(q)], scale=0.1)

@@ -82,19 +82,25 @@ def test_formula_counts_are_not_all_equal():
 
 def _one_sided_peers(heads: int) -> list[tuple[str, int]]:
     """(kind, peer) of every put and get of one swiftfusion call on this rank, in issue order
-    (the ring's gets included), as the communicator receives them."""
+    (the ring's gets included), as the communicator receives them: the second call, which runs
+    the plan the first compiled."""
     from xfuser_swiftfusion.emulation.shm import ShmCommunicator
     x = torch.randn(1, heads, 8, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     seen: list[tuple[str, int]] = []
-    with sf.init_sequence_parallel("swiftfusion", heads, timeout_s=60) as ctx:
-        ctx.attention(x, x, x)  # first call: buffers
-        put, get = ShmCommunicator.put, ShmCommunicator.get
-        ShmCommunicator.put = lambda self, d, s, peer, **kw: seen.append(("put", peer)) or put(self, d, s, peer, **kw)
-        ShmCommunicator.get = lambda self, d, s, peer, **kw: seen.append(("get", peer)) or get(self, d, s, peer, **kw)
-        try:
+    prepare = ShmCommunicator.prepare
+
+    def counted(self, op, dst, src, peer, **kw):
+        issue = prepare(self, op, dst, src, peer, **kw)
+        return lambda: seen.append((op, peer)) or issue()
+
+    ShmCommunicator.prepare = counted
+    try:
+        with sf.init_sequence_parallel("swiftfusion", heads, timeout_s=60) as ctx:
+            ctx.attention(x, x, x)  # first call: buffers and the plan
+            seen.clear()
             ctx.attention(x, x, x)
-        finally:
-            ShmCommunicator.put, ShmCommunicator.get = put, get
+    finally:
+        ShmCommunicator.prepare = prepare
     return seen
 
 

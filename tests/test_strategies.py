@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import xfuser_swiftfusion as sf
+from xfuser_swiftfusion import plan
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from support.reference import attention, max_abs_err, rank_rows
 
@@ -126,6 +127,8 @@ def _stage_errors(strategy):
     original = io.ring
 
     def ring(q_chunks, states, a, *, scale, what, **kw):
+        """The layer's ring call, then (a step of the plan: it runs where the ring's work
+        does) the check of every touched chunk's running output."""
         original(q_chunks, states, a, scale=scale, what=what, **kw)
         stages.append(what)
         chunks.append((what, len(q_chunks)))
@@ -135,10 +138,15 @@ def _stage_errors(strategy):
             seen.setdefault((a2, b), set()).add(a)
             kv_ranks = [mesh.rank_of(a3, b3, r3) for a3 in sorted(seen[(a2, b)])
                         for b3 in range(U) for r3 in range(R)]
-            kk = torch.cat([k[:, heads, tokens(x)] for x in kv_ranks], 2)
-            vv = torch.cat([v[:, heads, tokens(x)] for x in kv_ranks], 2)
-            qq = q[:, heads, tokens(mesh.rank_of(a2, b, r))]
-            errors.append((what, max_abs_err(st.acc / st.l.unsqueeze(-1), attention(qq, kk, vv, scale))))
+
+            def check(st=st, kv_ranks=kv_ranks, a2=a2, b=b, what=what):
+                kk = torch.cat([k[:, heads, tokens(x)] for x in kv_ranks], 2)
+                vv = torch.cat([v[:, heads, tokens(x)] for x in kv_ranks], 2)
+                qq = q[:, heads, tokens(mesh.rank_of(a2, b, r))]
+                errors.append((what, max_abs_err(st.acc / st.l.unsqueeze(-1),
+                                                 attention(qq, kk, vv, scale))))
+
+            plan.call(check)
 
     io.ring = ring
     try:

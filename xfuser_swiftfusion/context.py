@@ -23,6 +23,7 @@ from .log import get_logger
 from .mesh import Mesh, choose_mesh
 from .strategies import BuildArgs, Strategy, get
 from .strategies.layout import InputError, Joint, KeyMask, check_inputs, check_key_mask
+from .strategies.planned import plan_stats
 from .strategies.registry import call_args
 from .topology import Topology, detect_topology
 
@@ -194,7 +195,9 @@ class SequenceParallelContext:
         other machines, host operations (``transfers``: puts, gets and sends to other ranks;
         ``grouped_exchanges``: two-sided batches posted; ``barriers``: one-sided barriers and
         syncs; ``attend_calls``: local attention calls, one kernel launch each with the
-        Triton kernel), symmetric heap bytes, and the calls an integration handed elsewhere."""
+        Triton kernel), symmetric heap bytes, the calls an integration handed elsewhere, and
+        the strategy's execution plans (``plans_compiled`` since init: one per new input
+        signature; ``plans_cached``; ``plan_steps``: steps of the cached plans)."""
         total = lambda name: sum(getattr(c.counter, name) for c in self._comms)  # noqa: E731
         heap = sum(c.symmetric_heap_bytes() for c in self._comms if isinstance(c, OneSided))
         return {"strategy": self.strategy, "mesh": self.mesh.describe(), "calls": self.calls,
@@ -202,7 +205,8 @@ class SequenceParallelContext:
                 "inter_node_bytes": total("inter_node_bytes"),
                 "transfers": total("messages"), "grouped_exchanges": total("grouped_calls"),
                 "barriers": total("barriers"), "attend_calls": self._attends,
-                "symmetric_heap_bytes": heap, "fallbacks": dict(self.fallbacks)}
+                "symmetric_heap_bytes": heap, "fallbacks": dict(self.fallbacks),
+                **plan_stats(self._impl)}
 
     def reset_stats(self) -> None:
         self.calls = 0
@@ -264,7 +268,16 @@ def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None 
     ``H'/H`` cost); False: its fallback runs instead. The context's ``num_heads`` stays ``H``,
     its ``mesh`` is the one that runs (the padded one). ``fp8_comms`` (default False): tas,
     torus and swiftfusion send what crosses machines (Q, K, V in, O out) as float8 e4m3 with
-    one fp32 scale per slot and tensor, about half the inter-machine bytes.
+    one fp32 scale per slot and tensor, about half the inter-machine bytes. ``cuda_graphs``
+    (default ``$SWIFTFUSION_CUDA_GRAPHS``, else True on CUDA): tas, torus and swiftfusion
+    replay each input signature's execution plan as a CUDA graph from its second call
+    (``strategies/planned.py``). ``launches`` (torus, swiftfusion; default ``"stage"`` on
+    CUDA, ``"ring"`` on CPU): one attention launch per Torus stage and query block over the
+    gathered ring group's K/V, or one per ring step (``strategies/torus.py``).
+
+    Every call of tas, torus and swiftfusion runs an execution plan: the first call with an input
+    signature compiles the layer (checks, buffers, chunk tables, resolved transfers), later
+    calls only issue its launches and transfers (``plan.py``; ``stats()`` counts the plans).
 
     ``ranks``: global ranks of this rank's SP group, in SP-rank order (default: every rank).
     Every rank of the default group calls with its own group's ranks; the groups must be

@@ -21,14 +21,25 @@ Two families share one byte accounting:
 Every wait takes ``what`` (a stage name such as ``"Pull-KV stage 2"``) and raises
 ``CommTimeout`` naming this rank, the peer(s) and the stage when ``timeout_s`` passes.
 Ranks are global ranks of the default process group.
+
+Prepared calls (``plan.py``): each transfer, exchange and barrier is ``prepare...`` (checked
+and resolved once: byte runs, peers, streams, process groups) and then issued by calling the
+result; ``put``, ``get``, ``exchange``, ``barrier_all``, ``barrier`` and ``sync`` are those two
+steps, recorded as a plan's step while a layer compiles. On CUDA, waits order streams and
+never block the host; a watchdog thread bounds them (``watchdog.py``). While a CUDA graph is
+captured (``capturing()``) nothing captured is watched; ``watch(event, what)`` watches one
+event recorded after a replay instead.
 """
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+from .. import plan
 
 QUEUES = ("ring", "other")
 
@@ -98,6 +109,16 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release every resource (idempotent; also called on errors)."""
 
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """A CUDA graph is being captured on the current stream: issue as usual, watch nothing
+        (a captured event cannot be queried)."""
+        yield
+
+    def watch(self, event: Any, what: str) -> None:
+        """Bound ``event`` (recorded after a CUDA graph replay holding this communicator's
+        work) by ``timeout_s``, as the transfers it stands for (no-op without a watchdog)."""
+
     def __enter__(self) -> "Communicator":
         return self
 
@@ -118,25 +139,46 @@ class OneSided(Communicator):
         """Collective: allocate a symmetric buffer; return this rank's copy."""
 
     @abc.abstractmethod
+    def prepare(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str,
+                what: str) -> Callable[[], Handle]:
+        """A ``put`` (``op="put"``) or ``get``, checked and resolved now; each call of the result
+        issues it and returns its handle. ``dst``, ``src`` must outlive every issue."""
+
+    @abc.abstractmethod
+    def prepare_barrier(self, ranks: tuple[int, ...] | None, *, what: str,
+                        quiet: bool = True) -> Callable[[], None]:
+        """``barrier_all`` (``ranks`` None), ``barrier(ranks)`` or, without ``quiet``,
+        ``sync(ranks)``, resolved now; each call of the result performs it."""
+
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
         """Copy local ``src`` into ``peer``'s copy of ``dst`` (a view of a symmetric buffer)."""
+        with plan.preparing():
+            issue = self.prepare("put", dst, src, peer, queue=queue, what=what)
+        return plan.issue(issue)
 
-    @abc.abstractmethod
     def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
         """Copy ``peer``'s copy of ``src`` (a view of a symmetric buffer) into local ``dst``."""
+        with plan.preparing():
+            issue = self.prepare("get", dst, src, peer, queue=queue, what=what)
+        return plan.issue(issue)
 
-    @abc.abstractmethod
     def barrier_all(self, *, what: str) -> None:
         """Quiet my transfers, then wait for every rank."""
+        self._barrier(None, what, True)
 
-    @abc.abstractmethod
     def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
         """Quiet my transfers, then wait for ``ranks`` (which include me)."""
+        self._barrier(tuple(ranks), what, True)
 
-    @abc.abstractmethod
     def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
         """Wait for ``ranks`` (which include me) without quieting my transfers: only what I
         completed (``Handle.wait``) before it is visible to them after it."""
+        self._barrier(tuple(ranks), what, False)
+
+    def _barrier(self, ranks: tuple[int, ...] | None, what: str, quiet: bool) -> None:
+        with plan.preparing():
+            step = self.prepare_barrier(ranks, what=what, quiet=quiet)
+        plan.call(step)
 
     @abc.abstractmethod
     def symmetric_heap_bytes(self) -> int:
@@ -195,11 +237,20 @@ class TwoSided(Communicator):
     """Matched send/receive over torch.distributed."""
 
     @abc.abstractmethod
+    def prepare_exchange(self, sends: list[tuple[torch.Tensor, int]],
+                         recvs: list[tuple[torch.Tensor, int]], *, what: str,
+                         queue: str = "other") -> Callable[[], Handle]:
+        """``exchange``, checked and resolved now; each call of the result posts it and returns
+        its handle. The tensors must outlive every post."""
+
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
                  *, what: str, queue: str = "other") -> Handle:
         """Post all ``(tensor, peer)`` sends and receives in one grouped operation on ``queue``;
         one handle for the batch. Messages with one peer in one direction match in list order;
         pairs with my own rank are local copies (matched in list order)."""
+        with plan.preparing():
+            post = self.prepare_exchange(sends, recvs, what=what, queue=queue)
+        return plan.issue(post)
 
     @abc.abstractmethod
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *, what: str,

@@ -62,23 +62,23 @@ nvshmem4py is imported lazily: this module imports without it and without a GPU.
 from __future__ import annotations
 
 import atexit
-import collections
+import contextlib
 import functools
 import itertools
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
+from .watchdog import Watchdog, abort_process
 from ..log import get_logger
 
 log = get_logger("xfuser_swiftfusion.comm")
@@ -233,9 +233,7 @@ def _cuda_core_device(index: int) -> Any:
 def _abort(message: str) -> None:
     """End the process: its NVSHMEM kernels cannot be cancelled and its host thread does not
     come back to see the failure."""
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    abort_process(message)
 
 
 # -- the process's NVSHMEM instance ------------------------------------------------------------
@@ -346,78 +344,6 @@ def _register_exit_handler() -> None:
         atexit.register(_finalize_at_exit)
 
 
-# -- watchdog ------------------------------------------------------------------------------------
-
-@dataclass
-class _Watched:
-    done: Callable[[], bool]  # a CUDA event's query, or a host step's flag
-    deadline: float
-    doing: str
-    what: str
-
-
-class _Watchdog:
-    """One host thread per communicator: fails it when a watched event is not complete
-    ``timeout_s`` after it was issued, and ends the process if the communicator is not closed
-    within ``abort_after_s`` after that."""
-
-    def __init__(self, comm: "NvshmemCommunicator") -> None:
-        self._comm = comm
-        self._incoming: collections.deque[_Watched] = collections.deque()
-        self._pending: list[_Watched] = []
-        self._stop = threading.Event()
-        self._poll_s = min(0.05, max(comm.timeout_s / 10, 1e-3))
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                         name=f"swiftfusion-nvshmem-watchdog-r{comm.rank}")
-        self._thread.start()
-
-    def watch(self, done: Callable[[], bool], doing: str, what: str) -> None:
-        """Fail the communicator unless ``done()`` within ``timeout_s`` from now."""
-        self._incoming.append(_Watched(done, time.monotonic() + self._comm.timeout_s, doing, what))
-
-    def oldest_pending(self) -> _Watched | None:
-        """The oldest watched step not complete."""
-        return next((w for w in (*self._pending, *self._incoming) if not w.done()), None)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
-
-    def _drain_incoming(self) -> None:
-        while self._incoming:
-            self._pending.append(self._incoming.popleft())
-
-    def _run(self) -> None:
-        comm = self._comm
-        # event queries from this thread must not create a context on GPU 0
-        torch.cuda.set_device(comm.device.index)
-        exc: BaseException | None = None
-        while exc is None and not self._stop.wait(self._poll_s):
-            self._drain_incoming()
-            try:
-                self._pending = [w for w in self._pending if not w.done()]
-            except Exception as err:  # an asynchronous CUDA error: the device is unusable
-                exc = PeerFailure(f"rank {comm.rank}: CUDA error while NVSHMEM transfers were in "
-                                  f"flight on cuda:{comm.device.index}: {err}")
-                break
-            now = time.monotonic()
-            late = next((w for w in self._pending if w.deadline < now), None)
-            if late is not None:
-                exc = CommTimeout(
-                    f"rank {comm.rank}: {late.what!r}: {late.doing} did not complete within "
-                    f"{comm.timeout_s:.1f} s (a peer is gone or stuck; NVSHMEM kernels on "
-                    f"cuda:{comm.device.index} cannot be cancelled)")
-        if exc is None:
-            return
-        comm._fail(exc)
-        log.error("%s", exc)
-        grace = comm.abort_after_s if comm.abort_after_s is not None else comm.timeout_s
-        if not self._stop.wait(grace):
-            _abort(f"xfuser_swiftfusion: {exc}; the communicator was not closed within "
-                   f"{grace:.1f} s after that: ending the process")
-
-
 # -- the communicator ----------------------------------------------------------------------------
 
 class _EventHandle(Handle):
@@ -479,7 +405,14 @@ class NvshmemCommunicator(OneSided):
             self._barrier_stream = torch.cuda.Stream(device=self.device)
             self._failure: BaseException | None = None
             self._failure_seen = False  # raised to the caller at least once
-            self._watchdog = _Watchdog(self)
+            self._capturing = False  # a CUDA graph capture is under way: watch nothing
+            self._watchdog = Watchdog(
+                f"swiftfusion-nvshmem-watchdog-r{self.rank}", rank=self.rank,
+                timeout_s=self.timeout_s, device=index,
+                stuck=f"NVSHMEM kernels on cuda:{index} cannot be cancelled", fail=self._fail,
+                abort_after_s=lambda: (self.abort_after_s if self.abort_after_s is not None
+                                       else self.timeout_s),
+                abort=lambda message: _abort(message), log=log)
         except BaseException as exc:
             _RUNTIME.release(exc)
             raise
@@ -523,8 +456,8 @@ class NvshmemCommunicator(OneSided):
     def symmetric_heap_bytes(self) -> int:
         return self._heap_bytes
 
-    def _transfer(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, queue: str,
-                  what: str) -> Handle:
+    def prepare(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str,
+                what: str) -> Callable[[], Handle]:
         self._check()
         sym, local = (dst, src) if op == "put" else (src, dst)
         self.check_transfer(sym, local, peer, queue)
@@ -534,70 +467,104 @@ class NvshmemCommunicator(OneSided):
                              f"{local.device}, the communicator's buffers on {sym.device}")
         remote = self.node_of[peer] != self.node_of[self.rank]
         b = self._bindings
-        issue = ((b.putmem_nbi_on_stream if op == "put" else b.getmem_nbi_on_stream) if remote
-                 else (b.putmem_on_stream if op == "put" else b.getmem_on_stream))
+        rma = ((b.putmem_nbi_on_stream if op == "put" else b.getmem_nbi_on_stream) if remote
+               else (b.putmem_on_stream if op == "put" else b.getmem_on_stream))
         pool = self._pools[queue]
-        stream = pool[self._turn[queue]]
+        stream = pool[self._turn[queue]]  # the same stream at every issue of this transfer
         self._turn[queue] = (self._turn[queue] + 1) % len(pool)
-        self._used[id(stream)] = stream
-        stream.wait_stream(self._current_stream())
-        with torch.cuda.stream(stream):
-            staged = local if local.is_contiguous() else (
-                local.contiguous() if op == "put" else torch.empty(local.shape, dtype=local.dtype,
-                                                                   device=local.device))
-            pos = 0
-            for off, n in contiguous_runs(sym):
-                far, near = sym.data_ptr() + off, staged.data_ptr() + pos
-                issue(*((far, near) if op == "put" else (near, far)), n, peer, stream.cuda_stream)
-                pos += n
-            if remote:  # nvshmemx_*_nbi_on_stream complete at the next quiet
-                b.quiet_on_stream(stream.cuda_stream)
-            if staged is not local and op == "get":
-                local.copy_(staged)
-            event = torch.cuda.Event()
-            event.record(stream)
-        _record_stream(local, stream)
-        self.counter.count(peer, sym.numel() * sym.element_size())
-        self._watchdog.watch(event.query, f"{op} with peer {peer} on queue {queue!r}", what)
-        return _EventHandle(self, event)
+        # a non-contiguous local side (only within a machine) goes through a staging buffer
+        staged = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype,
+                                                                 device=local.device)
+        runs, pos = [], 0  # (destination, source, bytes) of each contiguous byte run
+        for off, n in contiguous_runs(sym):
+            far, near = sym.data_ptr() + off, staged.data_ptr() + pos
+            runs.append((far, near, n) if op == "put" else (near, far, n))
+            pos += n
+        nbytes = sym.numel() * sym.element_size()
+        doing = f"{op} with peer {peer} on queue {queue!r}"
+        raw, key, used = stream.cuda_stream, id(stream), self._used
+        stage_in = staged is not local and op == "put"
+        stage_out = staged is not local and op == "get"
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self._transfer("put", dst, src, peer, queue, what)
+        def issue() -> Handle:
+            self._check()
+            used[key] = stream
+            stream.wait_stream(self._current_stream())
+            with torch.cuda.stream(stream):
+                if stage_in:
+                    staged.copy_(local)
+                for to, frm, n in runs:
+                    rma(to, frm, n, peer, raw)
+                if remote:  # nvshmemx_*_nbi_on_stream complete at the next quiet
+                    b.quiet_on_stream(raw)
+                if stage_out:
+                    local.copy_(staged)
+                event = torch.cuda.Event()
+                event.record(stream)
+            _record_stream(local, stream)
+            self.counter.count(peer, nbytes)
+            if not self._capturing:
+                self._watchdog.watch(event.query, doing, what)
+            return _EventHandle(self, event)
 
-    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self._transfer("get", dst, src, peer, queue, what)
+        return issue
 
     # -- barriers ----------------------------------------------------------------------------------
 
-    def _barrier(self, issue: Callable[[int], Any], doing: str, what: str, quiet: bool = True) -> None:
-        """``issue(stream)`` on the barrier stream; the current stream then waits for it. A
-        barrier (``quiet``) follows the current stream and every pool stream used since the
-        previous one; a sync follows only the transfers the caller waited for since the last
-        sync or barrier (what it orders), not the compute queued on the current stream."""
+    def prepare_barrier(self, ranks: tuple[int, ...] | None, *, what: str,
+                        quiet: bool = True) -> Callable[[], None]:
+        """``barrier_all`` / ``barrier`` (``quiet``) or ``sync`` on the barrier stream; the
+        current stream then waits for it. A barrier follows the current stream and every pool
+        stream used since the previous one; a sync follows only the transfers the caller waited
+        for since the last sync or barrier (what it orders), not the compute queued on the
+        current stream."""
         self._check()
-        self.counter.barriers += 1
-        stream, caller = self._barrier_stream, self._current_stream()
-        if quiet:
-            for s in self._used.values():
-                stream.wait_stream(s)
-            self._used.clear()
-            stream.wait_stream(caller)
+        b = self._bindings
+        if ranks is None:
+            doing, nvshmem_call = "barrier over all ranks", b.barrier_all_on_stream
         else:
-            for event in self._waited:
-                stream.wait_event(event)
-        self._waited.clear()
-        with torch.cuda.stream(stream):
-            status = issue(stream.cuda_stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        if status:  # nvshmemx_team_sync_on_stream returns a status
-            raise RuntimeError(f"rank {self.rank}: {what!r}: {doing} failed with NVSHMEM status "
-                               f"{status}")
-        caller.wait_event(event)
-        self._watchdog.watch(event.query, doing, what)
+            team = self._team(ranks)
+            doing = f"{'barrier' if quiet else 'sync'} over ranks {ranks}"
+            call = b.barrier_on_stream if quiet else b.team_sync_on_stream
+            nvshmem_call = functools.partial(call, team)
+        stream, raw = self._barrier_stream, self._barrier_stream.cuda_stream
 
-    def barrier_all(self, *, what: str) -> None:
-        self._barrier(self._bindings.barrier_all_on_stream, "barrier over all ranks", what)
+        def barrier() -> None:
+            self._check()
+            self.counter.barriers += 1
+            caller = self._current_stream()
+            if quiet:
+                for s in self._used.values():
+                    stream.wait_stream(s)
+                self._used.clear()
+                stream.wait_stream(caller)
+            else:
+                for event in self._waited:
+                    stream.wait_event(event)
+            self._waited.clear()
+            with torch.cuda.stream(stream):
+                status = nvshmem_call(raw)
+                event = torch.cuda.Event()
+                event.record(stream)
+            if status:  # nvshmemx_team_sync_on_stream returns a status
+                raise RuntimeError(f"rank {self.rank}: {what!r}: {doing} failed with NVSHMEM "
+                                   f"status {status}")
+            caller.wait_event(event)
+            if not self._capturing:
+                self._watchdog.watch(event.query, doing, what)
+
+        return barrier
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def watch(self, event: Any, what: str) -> None:
+        self._watchdog.watch(event.query, "a CUDA graph replay (its transfers and barriers)", what)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Collective: one NVSHMEM team per distinct group (``None`` on non-members)."""
@@ -621,18 +588,6 @@ class NvshmemCommunicator(OneSided):
             raise ValueError(f"group {ranks} has no NVSHMEM team: declare it with prepare_groups "
                              "(collective) before the first barrier")
         return self._teams[key][1]
-
-    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
-        team = self._team(ranks)
-        self._barrier(lambda s: self._bindings.barrier_on_stream(team, s),
-                      f"barrier over ranks {ranks}", what)
-
-    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
-        """Team sync after the transfers waited for since the last sync: gets still queued stay
-        in flight, compute queued on the current stream is not waited for."""
-        team = self._team(ranks)
-        self._barrier(lambda s: self._bindings.team_sync_on_stream(team, s),
-                      f"sync over ranks {ranks}", what, quiet=False)
 
     # -- close -------------------------------------------------------------------------------------
 

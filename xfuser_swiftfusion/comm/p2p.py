@@ -16,6 +16,13 @@ one-element all-reduce), never lazily by a first batch. Concurrent NCCL communic
 every rank to issue their operations in one global order: the strategies do (every rank runs
 the same schedule).
 
+Waits: on NCCL a handle's ``wait`` orders the current stream after the batch (``Work.wait()``
+without a timeout: ``ProcessGroupNCCL`` blocks the host thread whenever a timeout is given) and
+returns; a watchdog thread (``watchdog.py``) polls each batch's ``is_completed`` and fails the
+communicator when one is not done ``timeout_s`` after it was posted: the next call raises
+``CommTimeout`` naming rank, peers and stage. On gloo (CPU tensors) the host is the device, and
+``wait`` blocks for at most ``timeout_s``.
+
 Ranks: the communicator's ranks are SP ranks; ``members`` maps them to global ranks (None:
 SP rank = global rank). With several SP groups (CFG parallelism) each group's communicator
 addresses only its own members on the shared queue groups: point-to-point operations involve
@@ -29,12 +36,16 @@ import inspect
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from ..log import get_logger
 from .base import QUEUES, CommTimeout, Handle, PeerFailure, TwoSided
+from .watchdog import Watchdog, abort_process
+
+log = get_logger("xfuser_swiftfusion.comm")
 
 _queue_groups: tuple[Any, dict[str, Any]] | None = None
 """(default process group, queue -> process group over all its ranks) of the current world."""
@@ -83,26 +94,31 @@ def queue_groups() -> dict[str, Any]:
 class _WorkHandle(Handle):
     """Pending works of one batch; on completion, copy staged receives into their targets."""
 
+    __slots__ = ("_comm", "_works", "_unstage", "_peers", "_what")
+
     def __init__(self, comm: "P2PCommunicator", works: list[Any],
                  unstage: list[tuple[torch.Tensor, torch.Tensor]], peers: list[int], what: str) -> None:
         self._comm, self._works, self._unstage, self._peers, self._what = comm, works, unstage, peers, what
 
     def wait(self) -> None:
         c = self._comm
-        deadline = time.monotonic() + c.timeout_s
-        for work in self._works:
-            remaining = max(deadline - time.monotonic(), 1e-3)
-            try:
-                work.wait(timeout=timedelta(seconds=remaining))
-            except RuntimeError as exc:
-                doing = f"{c.who}: {self._what!r}: exchange with peers {self._peers}"
-                if "timed out" in str(exc).lower():
-                    raise CommTimeout(f"{doing} did not complete within {c.timeout_s:.1f} s") from exc
-                raise PeerFailure(f"{doing} failed: {exc}") from exc
+        c._check()
+        if c._watchdog is not None:  # CUDA: order the current stream, never block the host
+            for work in self._works:
+                work.wait()
+        else:
+            deadline = time.monotonic() + c.timeout_s
+            for work in self._works:
+                remaining = max(deadline - time.monotonic(), 1e-3)
+                try:
+                    work.wait(timeout=timedelta(seconds=remaining))
+                except RuntimeError as exc:
+                    doing = f"{c.who}: {self._what!r}: exchange with peers {self._peers}"
+                    if "timed out" in str(exc).lower():
+                        raise CommTimeout(f"{doing} did not complete within {c.timeout_s:.1f} s") from exc
+                    raise PeerFailure(f"{doing} failed: {exc}") from exc
         for dst, staged in self._unstage:
             dst.copy_(staged)
-            if staged.is_cuda:  # allocated on the issue stream, read here on the current one
-                staged.record_stream(torch.cuda.current_stream())
         self._works, self._unstage = [], []
 
 
@@ -114,6 +130,7 @@ class P2PCommunicator(TwoSided):
 
     members: tuple[int, ...] | None = None
     _groups: dict[str, Any] = field(init=False, default_factory=dict, repr=False)
+    abort_after_s: float | None = field(default=None, init=False)  # None: timeout_s
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,8 +145,27 @@ class P2PCommunicator(TwoSided):
         self.who = (f"rank {self.rank}" if members == tuple(range(dist.get_world_size()))
                     else f"rank {members[self.rank]} (SP rank {self.rank})")
         self._groups = queue_groups()
-        self._streams = ({q: torch.cuda.Stream() for q in QUEUES}
-                         if "nccl" in str(dist.get_backend()) else {})
+        self._failure: BaseException | None = None
+        self._capturing = False
+        self._watchdog: Watchdog | None = None
+        self._streams: dict[str, Any] = {}
+        if "nccl" in str(dist.get_backend()):
+            device = _nccl_device()
+            self._streams = {q: torch.cuda.Stream(device=device) for q in QUEUES}
+            self._watchdog = Watchdog(
+                f"swiftfusion-p2p-watchdog-r{dist.get_rank()}", rank=members[self.rank],
+                timeout_s=self.timeout_s, device=device.index,
+                stuck=f"NCCL kernels on cuda:{device.index} do not return without their peers",
+                fail=self._fail, abort_after_s=lambda: (self.abort_after_s if self.abort_after_s
+                                                        is not None else self.timeout_s),
+                abort=abort_process, log=log)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
 
     @contextlib.contextmanager
     def _issue_stream(self, queue: str) -> Iterator[None]:
@@ -142,20 +178,21 @@ class P2PCommunicator(TwoSided):
         with torch.cuda.stream(stream):
             yield
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 *, what: str, queue: str = "other") -> Handle:
-        """Post every send and receive in one batch on ``queue``'s group; one handle for it.
-        Sends and receives with the same peer match in list order; those with myself are
-        copied here, now. Sources must stay unchanged until waited."""
+    def prepare_exchange(self, sends: list[tuple[torch.Tensor, int]],
+                         recvs: list[tuple[torch.Tensor, int]], *, what: str,
+                         queue: str = "other") -> Callable[[], Handle]:
+        """Every send and receive in one batch on ``queue``'s group; one handle for it. Sends
+        and receives with the same peer match in list order; those with myself are copied at
+        each post. Sources must stay unchanged until waited."""
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}; expected one of {QUEUES}")
+        self._check()
         own_sends = [t for t, p in sends if p == self.rank]
         own_recvs = [t for t, p in recvs if p == self.rank]
         if len(own_sends) != len(own_recvs):
             raise ValueError(f"{self.who}: {what!r}: {len(own_sends)} sends to myself but "
                              f"{len(own_recvs)} receives from myself")
-        for dst, src in zip(own_recvs, own_sends):
-            dst.copy_(src)
+        own = list(zip(own_recvs, own_sends))
         sends = [(t, p) for t, p in sends if p != self.rank]
         recvs = [(t, p) for t, p in recvs if p != self.rank]
         peers = sorted({p for _, p in (*sends, *recvs)})
@@ -164,26 +201,56 @@ class P2PCommunicator(TwoSided):
                 raise ValueError(f"{self.who}: {what!r}: invalid exchange peer {p}")
         group = self._groups[queue]
         ops: list[dist.P2POp] = []
-        unstage: list[tuple[torch.Tensor, torch.Tensor]] = []
-        works: list[Any] = []
-        with self._issue_stream(queue):
-            for t, p in recvs:
-                buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                ops.append(dist.P2POp(dist.irecv, buf, self.members[p], group))
-                if buf is not t:
-                    unstage.append((t, buf))
-            ops += [dist.P2POp(dist.isend, t.contiguous(), self.members[p], group)
-                    for t, p in sends]
-            if ops:
-                self.counter.grouped_calls += 1
-                try:
-                    works = dist.batch_isend_irecv(ops)
-                except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
-                    raise PeerFailure(f"{self.who}: {what!r}: posting an exchange with peers "
-                                      f"{peers} failed: {exc}") from exc
+        unstage: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staging buffer)
+        stage: list[tuple[torch.Tensor, torch.Tensor]] = []    # (staging buffer, source)
+        for t, p in recvs:
+            buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            ops.append(dist.P2POp(dist.irecv, buf, self.members[p], group))
+            if buf is not t:
+                unstage.append((t, buf))
         for t, p in sends:
-            self.counter.count(p, t.numel() * t.element_size())
-        return _WorkHandle(self, works, unstage, peers, what)
+            buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            ops.append(dist.P2POp(dist.isend, buf, self.members[p], group))
+            if buf is not t:
+                stage.append((buf, t))
+        counts = [(p, t.numel() * t.element_size()) for t, p in sends]
+        doing = f"exchange with peers {peers} on queue {queue!r}"
+
+        def post() -> Handle:
+            self._check()
+            for dst, src in own:
+                dst.copy_(src)
+            works: list[Any] = []
+            with self._issue_stream(queue):
+                for buf, src in stage:
+                    buf.copy_(src)
+                if ops:
+                    self.counter.grouped_calls += 1
+                    try:
+                        works = dist.batch_isend_irecv(ops)
+                    except RuntimeError as exc:  # gloo raises at posting time once a peer's socket closed
+                        raise PeerFailure(f"{self.who}: {what!r}: posting an exchange with peers "
+                                          f"{peers} failed: {exc}") from exc
+            for p, n in counts:
+                self.counter.count(p, n)
+            if self._watchdog is not None and not self._capturing:
+                for work in works:
+                    self._watchdog.watch(work.is_completed, doing, what)
+            return _WorkHandle(self, works, unstage, peers, what)
+
+        return post
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def watch(self, event: Any, what: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.watch(event.query, "a CUDA graph replay (its exchanges)", what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *,
                    what: str, queue: str = "other") -> None:
@@ -199,6 +266,8 @@ class P2PCommunicator(TwoSided):
                       what=what, queue=queue).wait()
 
     def close(self) -> None:
-        """Nothing to release: the queue groups serve every communicator of this world until
+        """Stop the watchdog. The queue groups serve every communicator of this world until
         ``destroy_process_group`` (destroying one is collective); their last references go at
         exit (``release_queue_groups``)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()

@@ -123,21 +123,21 @@ class SubgroupOneSided(OneSided):
         self._allocations += 1
         return self.inner.symmetric_empty(shape, dtype)
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self.inner.put(dst, src, self._peer(peer, what), queue=queue, what=what)
+    def prepare(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str,
+                what: str) -> Callable[[], Handle]:
+        return self.inner.prepare(op, dst, src, self._peer(peer, what), queue=queue, what=what)
 
-    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self.inner.get(dst, src, self._peer(peer, what), queue=queue, what=what)
+    def prepare_barrier(self, ranks: tuple[int, ...] | None, *, what: str,
+                        quiet: bool = True) -> Callable[[], None]:
+        """``barrier_all`` is a barrier over the SP group (not the other SP groups)."""
+        ranks = self.members if ranks is None else self._global(ranks, what)
+        return self.inner.prepare_barrier(ranks, what=what, quiet=quiet)
 
-    def barrier_all(self, *, what: str) -> None:
-        """Quiet, then wait for every rank of the SP group (not the other SP groups)."""
-        self.inner.barrier(self.members, what=what)
+    def capturing(self):
+        return self.inner.capturing()
 
-    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
-        self.inner.barrier(self._global(ranks, what), what=what)
-
-    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
-        self.inner.sync(self._global(ranks, what), what=what)
+    def watch(self, event, what: str) -> None:
+        self.inner.watch(event, what)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Collective over the world: ``groups`` (SP ranks, the same in every SP group)

@@ -381,32 +381,33 @@ class ShmCommunicator(OneSided):
 
     # -- transfers ------------------------------------------------------------------------
 
-    def _submit(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, queue: str,
-                what: str) -> Handle:
-        """Queue ``dst.copy_(src)`` where the symmetric side is ``peer``'s copy."""
+    def prepare(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str,
+                what: str) -> Callable[[], Handle]:
+        """Queue ``dst.copy_(src)`` where the symmetric side is ``peer``'s copy (``put``: ``src``
+        must stay unchanged until waited)."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {what!r}: {op} on a closed communicator")
         sym, local = (dst, src) if op == "put" else (src, dst)
         self.check_transfer(sym, local, peer, queue)
         buffer_id, storages = self._buffers.lookup(sym)
-        self.counter.count(peer, sym.numel() * sym.element_size())
+        nbytes = sym.numel() * sym.element_size()
         if storages[peer] is None:  # another machine: through the proxy, like NVSHMEM over EFA
             mem = self._proxy.local_bytes(self._buffers.lookup(local)[0], local)
             fn = functools.partial(self._proxy.start, op, queue, peer, view_key(buffer_id, sym), mem)
-            job = self._queues[queue].submit(fn, op, len(mem))
+            kind, size = op, len(mem)
         else:
             remote = self._peer_view(sym, peer)
             fn = functools.partial(remote.copy_, src) if op == "put" else functools.partial(dst.copy_, remote)
-            job = self._queues[queue].submit(fn)
-        return _CopyHandle(self, job, peer, f"{op} with peer {peer} on queue {queue!r}", what)
+            kind, size = None, _UNKNOWN
+        copies, doing, finalizer = self._queues[queue], f"{op} with peer {peer} on queue {queue!r}", self._finalizer
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        """Queue ``peer``'s ``dst`` <- my ``src``; ``src`` must stay unchanged until waited."""
-        return self._submit("put", dst, src, peer, queue, what)
+        def issue() -> Handle:
+            if not finalizer.alive:
+                raise RuntimeError(f"rank {self.rank}: {what!r}: {op} on a closed communicator")
+            self.counter.count(peer, nbytes)
+            return _CopyHandle(self, copies.submit(fn, kind, size), peer, doing, what)
 
-    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        """Queue my ``dst`` <- ``peer``'s ``src``."""
-        return self._submit("get", dst, src, peer, queue, what)
+        return issue
 
     # -- synchronisation ------------------------------------------------------------------
 
@@ -435,16 +436,18 @@ class ShmCommunicator(OneSided):
                 raise kind(f"rank {self.rank}: {what!r}: a transfer on queue {name!r} "
                            f"failed: {q.error}") from q.error
 
-    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
+    def prepare_barrier(self, ranks: tuple[int, ...] | None, *, what: str,
+                        quiet: bool = True) -> Callable[[], None]:
+        ranks = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
         if self.rank not in ranks:
-            raise ValueError(f"rank {self.rank} is not in barrier group {ranks}")
-        self._quiet(what)
-        self.sync(ranks, what=what)
+            raise ValueError(f"rank {self.rank} is not in {'barrier' if quiet else 'sync'} "
+                             f"group {ranks}")
+        return functools.partial(self._barrier_now, ranks, what, quiet)
 
-    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
-        if self.rank not in ranks:
-            raise ValueError(f"rank {self.rank} is not in sync group {ranks}")
-        self.counter.barriers += 1  # barrier and barrier_all end here
+    def _barrier_now(self, ranks: tuple[int, ...], what: str, quiet: bool) -> None:
+        if quiet:
+            self._quiet(what)
+        self.counter.barriers += 1
         mine = self._control[self.rank]
         peers = sorted(set(ranks) - {self.rank})
         for p in peers:
@@ -496,9 +499,6 @@ class ShmCommunicator(OneSided):
         if self._control[peer] is None:
             return int(self._inbox[self.rank][peer, :-1].max())
         return int(self._control[peer][1 + self.rank])
-
-    def barrier_all(self, *, what: str) -> None:
-        self.barrier(tuple(range(self.world_size)), what=what)
 
     def close(self) -> None:
         """Stop the copy threads and mark me closed; the mappings go with the last tensor."""

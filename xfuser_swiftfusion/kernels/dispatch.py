@@ -30,13 +30,15 @@ once).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import plan
 from ..log import get_logger, log_once
 from . import choice
 from . import flash as flash_backend
@@ -231,6 +233,12 @@ def attend_calls() -> int:
     return _calls
 
 
+def add_attend_calls(n: int) -> None:
+    """Count ``n`` calls that ran without Python (a CUDA graph's replay)."""
+    global _calls
+    _calls += n
+
+
 MASK_BACKENDS = {"cuda": "torch"}  # device type -> backend of key-masked calls (else "cpu")
 
 
@@ -281,6 +289,35 @@ def _check_args(q_chunks, kv_chunks, states, out, key_masks=None) -> None:
         raise ValueError("all Q, K and V chunks must be on one device")
 
 
+def new_states(q_chunks: Sequence[torch.Tensor]) -> list[AttnState]:
+    """Empty running states (acc 0, m -inf, l 0) for query chunks ``[B, H, L_i, D]``: views of
+    three fp32 buffers (acc, m, l), reset by three fills (a plan's step: ``plan.call``). Chunks
+    must share B, H, D and the device."""
+    if not q_chunks:
+        return []
+    B, H, _, D = q_chunks[0].shape
+    device = q_chunks[0].device
+    rows = [B * H * q.shape[2] for q in q_chunks]
+    acc = torch.empty(sum(rows) * D, dtype=torch.float32, device=device)
+    m = torch.empty(sum(rows), dtype=torch.float32, device=device)
+    l = torch.empty(sum(rows), dtype=torch.float32, device=device)
+    states, at = [], 0
+    for q, n in zip(q_chunks, rows):
+        L = q.shape[2]
+        # flat [n * D] / [n] slices -> [B, H, L, D] / [B, H, L]
+        states.append(AttnState(acc[at * D:(at + n) * D].view(B, H, L, D),
+                                m[at:at + n].view(B, H, L), l[at:at + n].view(B, H, L)))
+        at += n
+
+    def reset() -> None:
+        acc.zero_()
+        l.zero_()
+        m.fill_(float("-inf"))
+
+    plan.call(reset)
+    return states
+
+
 def attend(
     q_chunks: Sequence[torch.Tensor],
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -301,41 +338,104 @@ def attend(
     may be empty. With ``finalize``, also returns the outputs acc / l [B, H, Lq_i, D] in the
     query dtype (written into ``out[i]`` if given); rows that saw no (unmasked) keys at all
     output 0. Without ``finalize`` returns None.
+
+    A plan's step (``plan.call``): the inputs are checked, the backend chosen and its launch
+    prepared here (the triton kernel's chunk table built and uploaded once); the step launches.
     """
     q_chunks, kv_chunks = list(q_chunks), list(kv_chunks)
     if not q_chunks:
         return [] if finalize else None
     key_masks = None if key_masks is None or all(m is None for m in key_masks) else list(key_masks)
     _check_args(q_chunks, kv_chunks, states, out, key_masks)
-    global _calls
-    _calls += 1
     q0 = q_chunks[0]
     backend = current_backend(q0.device, q0.shape[-1], q0.dtype)
     if key_masks is not None:
         backend = masked_backend(q0.device, backend)
-    if backend == "triton":
-        from .triton_attend import attend_triton
+    if finalize and out is None:
+        out = [torch.empty(q.shape, dtype=q.dtype, device=q.device) for q in q_chunks]
+    with plan.preparing():
+        launch = _prepare(backend, q_chunks, kv_chunks, list(states), scale,
+                          list(out) if finalize else None, key_masks)
+    plan.call(launch)
+    return list(out) if finalize else None
 
-        if finalize and out is None:
-            out = [torch.empty_like(q, memory_format=torch.contiguous_format) for q in q_chunks]
-        attend_triton(q_chunks, kv_chunks, states, scale, out if finalize else None)
-        return list(out) if finalize else None
+
+def _counted(fn: Callable[[], None]) -> Callable[[], None]:
+    def launch() -> None:
+        global _calls
+        _calls += 1
+        fn()
+    return launch
+
+
+def _prepare(backend: str, q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Tensor, torch.Tensor]],
+             states: list[AttnState], scale: float, out: list[torch.Tensor] | None,
+             key_masks: list[torch.Tensor | None] | None) -> Callable[[], None]:
+    """The work of one ``attend`` call on ``backend``, ready to run (counted by ``attend_calls``)."""
+    if backend == "triton":
+        return _counted(_prepare_triton(q_chunks, kv_chunks, states, scale, out))
     if backend == "flash":
-        flash_backend.attend_flash(q_chunks, kv_chunks, states, scale)
+        run = functools.partial(flash_backend.attend_flash, q_chunks, kv_chunks, states, scale)
     elif backend == "cudnn":
         from .torch_cuda import attend_torch, cudnn_op
 
-        attend_torch(q_chunks, kv_chunks, states, scale, op=cudnn_op)
+        run = functools.partial(attend_torch, q_chunks, kv_chunks, states, scale, op=cudnn_op)
     elif backend == "torch":
         from .torch_cuda import attend_torch
 
         masked = {} if key_masks is None else {"key_masks": key_masks}
-        attend_torch(q_chunks, kv_chunks, states, scale, **masked)
+        run = functools.partial(attend_torch, q_chunks, kv_chunks, states, scale, **masked)
     else:
         from .cpu import attend_cpu
 
         masked = {} if key_masks is None else {"key_masks": key_masks}
-        attend_cpu(q_chunks, kv_chunks, states, scale, **masked)
-    if not finalize:
-        return None
-    return [finalize_state(s, q.dtype, None if out is None else out[i]) for i, (q, s) in enumerate(zip(q_chunks, states))]
+        run = functools.partial(attend_cpu, q_chunks, kv_chunks, states, scale, **masked)
+    if out is None:
+        return _counted(run)
+    pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
+
+    def run_and_finalize() -> None:
+        run()
+        for s, dtype, o in pairs:
+            finalize_state(s, dtype, o)
+
+    return _counted(run_and_finalize)
+
+
+def _prepare_triton(q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Tensor, torch.Tensor]],
+                    states: list[AttnState], scale: float,
+                    out: list[torch.Tensor] | None) -> Callable[[], None]:
+    """``triton_attend.prepare_triton``'s launch; where there is nothing to launch (no query
+    rows, or no keys) the finalization from the states alone. A configuration the GPU refuses
+    at the first launch (``OutOfResources``, raised before anything runs) is replaced by
+    ``SAFE_CONFIG`` for this launch and later ones of the device."""
+    from triton.runtime.errors import OutOfResources
+
+    from . import triton_attend as ta
+
+    if not any(q.shape[2] for q in q_chunks):
+        return _no_op
+    if not any(k.shape[2] for k, _ in kv_chunks):
+        if out is None:
+            return _no_op
+        pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
+        return lambda: [finalize_state(s, dtype, o) for s, dtype, o in pairs] and None
+    device = q_chunks[0].device
+    launch = [ta.prepare_triton(q_chunks, kv_chunks, states, scale, out)]
+
+    def run() -> None:
+        try:
+            launch[0]()
+        except OutOfResources:
+            if device.type != "cuda" or launch[-1] is None:
+                raise
+            B, H, _, D = q_chunks[0].shape
+            ta._rejected.add((device.index, ta._launch_config(device, D, [q.shape[2] for q in q_chunks], B * H)))
+            launch[:] = [ta.prepare_triton(q_chunks, kv_chunks, states, scale, out, ta.SAFE_CONFIG), None]
+            launch[0]()
+
+    return run
+
+
+def _no_op() -> None:
+    pass

@@ -129,6 +129,9 @@ class AutoAttention:
         k, v, joint, kwargs = call_args(child.spec, q, k, v, joint, key_mask)
         return child(q, k, v, joint, scale, **kwargs)
 
+    def plan_children(self) -> list:
+        return list(self._children.values())
+
     def close(self, failed: bool) -> None:
         for child in self._children.values():
             child.close(failed)

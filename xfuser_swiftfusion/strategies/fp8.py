@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import plan
 from ..comm.base import Handle
 
 FP8 = torch.float8_e4m3fn
@@ -86,7 +87,7 @@ def dequantize_(wire: torch.Tensor, *outs: torch.Tensor) -> None:
 
 class Arrival(Handle):
     """Completion of ``handles`` followed by ``then()`` (the dequantization of what they
-    brought), once: later waits return at once."""
+    brought, a plan's step), once: later waits return at once."""
 
     def __init__(self, handles: Sequence[Handle], then: Callable[[], None]) -> None:
         self._handles, self._then = list(handles), then
@@ -97,7 +98,7 @@ class Arrival(Handle):
         for h in self._handles:
             h.wait()
         then, self._then = self._then, None
-        then()
+        plan.call(then)
 
 
 __all__ = ["Arrival", "FP8", "FP8_MAX", "OPTION", "SCALE_BYTES", "dequantize_", "enabled",

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from .. import plan
 from ..log import get_logger, log_once
 
 logger = get_logger(__name__)
@@ -177,10 +178,19 @@ def grouped_kv(k: torch.Tensor, v: torch.Tensor, joint: Joint | None, heads: int
              f"{want} heads before the exchange ({f}x the K/V bytes of {Hkv} heads, "
              f"{want}/{heads} of full multi-head K/V); a head-group count dividing {Hkv} "
              "moves them unexpanded")
-    rep = lambda x: x.repeat_interleave(f, dim=1)  # noqa: E731  [B, H_kv, L, D] -> [B, want, L, D]
     if joint is not None:
-        joint = Joint(joint.q, rep(joint.k), rep(joint.v), joint.strategy)
-    return rep(k), rep(v), joint
+        joint = Joint(joint.q, repeat_heads(joint.k, f), repeat_heads(joint.v, f), joint.strategy)
+    return repeat_heads(k, f), repeat_heads(v, f), joint
+
+
+def repeat_heads(x: torch.Tensor, f: int) -> torch.Tensor:
+    """``[B, H_kv, L, D] -> [B, H_kv * f, L, D]``, head i reading head ``i // f`` (as
+    ``repeat_interleave(f, dim=1)``), into a new tensor written by a plan's step."""
+    B, Hkv, L, D = x.shape
+    out = torch.empty(B, Hkv * f, L, D, dtype=x.dtype, device=x.device)
+    # [B, H_kv * f, L, D] viewed as [B, H_kv, f, L, D] <- [B, H_kv, 1, L, D] expanded
+    plan.call(lambda: out.view(B, Hkv, f, L, D).copy_(x[:, :, None].expand(B, Hkv, f, L, D)))
+    return out
 
 
 def split_heads(x: torch.Tensor, *groups: int) -> torch.Tensor:

@@ -23,8 +23,10 @@ from dataclasses import replace
 
 import torch
 
+from .. import plan
 from ..log import get_logger, log_once
-from .layout import Joint
+from .layout import Joint, KeyMask, repeat_heads
+from .planned import PlanCache
 from .registry import BuildArgs, Strategy, StrategySpec
 
 logger = get_logger(__name__)
@@ -39,52 +41,66 @@ def padding_message(heads: int, padded: int, topology: object, spec: str) -> str
 
 
 def _pad(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, h, L, D]`` -> ``[B, heads, L, D]``: zero heads appended."""
+    """``[B, h, L, D]`` -> a new ``[B, heads, L, D]``: zero heads appended (zeroed once; a plan's
+    step copies ``x`` into the first ``h``)."""
     B, h, L, D = x.shape
-    return torch.cat([x, x.new_zeros(B, heads - h, L, D)], dim=1)  # [B, heads, L, D]
-
-
-def _repeat(x: torch.Tensor, rep: int) -> torch.Tensor:
-    """``[B, H_kv, L, D]`` -> ``[B, H_kv * rep, L, D]``: head i reads head ``i // rep``."""
-    return x.repeat_interleave(rep, dim=1)  # [B, H_kv, L, D] -> [B, H, L, D]
+    out = torch.empty(B, heads, L, D, dtype=x.dtype, device=x.device)
+    with plan.preparing():
+        out[:, h:].zero_()
+    plan.call(lambda: out[:, :h].copy_(x))
+    return out
 
 
 class PaddedAttention:
     """``inner`` (built for ``padded`` heads) on inputs with ``heads`` query heads, under the
     USP contract: ``[B, H, S_local, D]`` in (K/V may be ``[B, H_kv, S_local, D]``), text as
     ``joint``, ``[B, H, Tj + S_local, D]`` out (a view of the padded output's first ``H``
-    heads). Keyword arguments (e.g. ``key_mask=``, per-token, head-independent) pass through
-    unchanged. ``spec``, ``comms`` and ``close`` are ``inner``'s: the strategy that runs is the
-    one asked, and its byte counters count the padded heads it moves."""
+    heads). A ``key_mask`` (per token, head-independent) passes through unchanged. Runs as
+    execution plans (``planned.py``) into which the inner strategy's calls are inlined.
+    ``spec``, ``comms`` and ``close`` are ``inner``'s: the strategy that runs is the one asked,
+    and its byte counters count the padded heads it moves."""
 
     def __init__(self, inner: Strategy, heads: int, padded: int) -> None:
         if padded <= heads:
             raise ValueError(f"padded head count {padded} must exceed the {heads} heads")
         self.inner, self.heads, self.padded = inner, heads, padded
         self.spec: StrategySpec = inner.spec
+        self.plans = PlanCache(self.layer)
 
     @property
     def comms(self) -> list:
         return self.inner.comms
 
+    def plan_children(self) -> list:
+        return [self.inner]
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 joint: Joint | None, scale: float, **kwargs) -> torch.Tensor:
+                 joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        if q.shape[1] != self.heads:
+            raise ValueError(f"{self.spec.name}: query has {q.shape[1]} heads, the padded strategy "
+                             f"was built for {self.heads} (padded to {self.padded})")
+        return self.plans(q, k, v, joint, scale, key_mask)
+
+    def layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        """One layer's calls (what a plan records; the inner strategy's are inlined)."""
         H, Hkv, Hp = q.shape[1], k.shape[1], self.padded
-        if H != self.heads:
-            raise ValueError(f"{self.spec.name}: query has {H} heads, the padded strategy was "
-                             f"built for {self.heads} (padded to {Hp})")
         if Hkv != H:
             rep = H // Hkv
             log_once(logger, f"padded-gqa-{self.spec.name}-{H}-{Hkv}-{Hp}",
                      f"{self.spec.name}: K/V repeated from {Hkv} to {H} heads before padding to "
                      f"{Hp} ({Hp / Hkv:.3g}x the K/V bytes)")
-            k, v = _repeat(k, rep), _repeat(v, rep)
+            k, v = repeat_heads(k, rep), repeat_heads(v, rep)
             if joint is not None:
-                joint = replace(joint, k=_repeat(joint.k, rep), v=_repeat(joint.v, rep))
+                joint = replace(joint, k=repeat_heads(joint.k, rep), v=repeat_heads(joint.v, rep))
         if joint is not None:
             joint = replace(joint, q=_pad(joint.q, Hp), k=_pad(joint.k, Hp), v=_pad(joint.v, Hp))
-        out = self.inner(_pad(q, Hp), _pad(k, Hp), _pad(v, Hp), joint, scale, **kwargs)
-        return out[:, :H]  # [B, H', Tj + S, D] -> [B, H, Tj + S, D]
+        kwargs = {} if key_mask is None else {"key_mask": key_mask}
+        args = (_pad(q, Hp), _pad(k, Hp), _pad(v, Hp), joint, scale)
+        if not isinstance(getattr(self.inner, "plans", None), PlanCache):  # runs as a whole step
+            return plan.output(lambda: self.inner(*args, **kwargs)[:, :H])
+        out = self.inner(*args, **kwargs)  # its calls, inlined
+        return plan.then(out, lambda o: o[:, :H])  # [B, H', Tj + S, D] -> [B, H, Tj + S, D]
 
     def close(self, failed: bool) -> None:
         self.inner.close(failed)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import plan
 from ..comm.base import Handle, OneSided
 from ..groups import SPGroups
 from ..log import get_logger, log_once
@@ -52,7 +53,7 @@ from . import fp8
 from .layout import Slots, split_heads
 from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
-from .ring import PullRing, ring_ops
+from .ring import PullRing, ring_ops, slots
 from .torus import TorusAttention, TorusOps, torus_ops
 
 logger = get_logger(__name__)
@@ -83,18 +84,20 @@ class OneSidedTorusIO:
 
     def _put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, what: str) -> None:
         if peer == self.rank:
-            dst.copy_(src)
+            plan.call(lambda: dst.copy_(src))
         else:
             self.comm.put(dst, src, peer, queue="other", what=what)
 
     def _alloc(self, q: torch.Tensor, heads_kv: int, text_len: int) -> dict[str, torch.Tensor | Slots]:
         """Collective on first use of a shape: every rank allocates the same buffers in order
         (``heads_kv``: K/V heads, a multiple of T*U)."""
+        key = (tuple(q.shape), heads_kv, q.dtype, text_len)
+        if key in self._buffers:
+            return self._buffers[key]
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
         h, h_kv = H // (T * U), heads_kv // (T * U)
-        key = (tuple(q.shape), heads_kv, q.dtype, text_len)
-        if key not in self._buffers:
+        with plan.preparing():
             sym = lambda shape: self.comm.symmetric_empty(shape, q.dtype)  # noqa: E731
             slots = lambda: Slots.alloc(sym, (T, U), B, h, S, text_len, D)  # noqa: E731
             kv = lambda m: sym((m, U, 2, B, h_kv, S, D))  # noqa: E731
@@ -109,13 +112,14 @@ class OneSidedTorusIO:
                 buf |= {"Qw": wire((T, U), nq), "Qr": wire((T, U), nq),
                         "KVw": wire((T, U), nkv, 2), "KVr": wire((T - 1, U), nkv, 2),
                         "Ow": wire((T, U), no), "Or": wire((T, U), no)}
-            self._buffers[key] = buf
-        return self._buffers[key]
+        self._buffers[key] = buf
+        return buf
 
     def stage_in(self, q, k, v, text_len):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         self.buf = self._alloc(q, k.shape[1], text_len)
         self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
+        self._gathered: dict[int, list] = {}
         KVb = self.buf["KVb"]  # [T, U, 2, B, h_kv, S, D]
         staged = {"Q": self.Ob.rows, "K": KVb[:, :, 0], "V": KVb[:, :, 1]}  # [T, U, B, h(_kv), S, D]
         working = {n: x[t] for n, x in staged.items()} | {"Q": self.O.rows[t]}  # [U, B, h(_kv), S, D]
@@ -125,11 +129,14 @@ class OneSidedTorusIO:
             if a == t:
                 continue
             if self.fp8:  # [U, B, h(_kv), S, D] -> wire [U, bytes] (K and V: one slot)
-                fp8.quantize_(self.buf["Qw"][a], srcs["Q"][a])
-                fp8.quantize_(self.buf["KVw"][a], srcs["K"][a], srcs["V"][a])
+                qw, kvw, sq, sk, sv = (self.buf["Qw"][a], self.buf["KVw"][a], srcs["Q"][a],
+                                       srcs["K"][a], srcs["V"][a])
+                plan.call(lambda qw=qw, kvw=kvw, sq=sq, sk=sk, sv=sv: (
+                    fp8.quantize_(qw, sq), fp8.quantize_(kvw, sk, sv)))
             else:
                 for n, src in srcs.items():
-                    staged[n][a].copy_(src[a])
+                    dst, src_a = staged[n][a], src[a]
+                    plan.call(lambda dst=dst, src_a=src_a: dst.copy_(src_a))
         for n, src in srcs.items():
             for b in machine_order(u, U):  # step 2: ScatterPush my slot [t, b] into GPU (t, b, r)'s [t, u]
                 self._put(working[n][u], src[t, b], self._peer(t, b), f"Ulysses scatter {n}")
@@ -148,9 +155,10 @@ class OneSidedTorusIO:
                     for n, dst, staged in blocks for b in machine_order(u, U)]
 
         if self.fp8:  # wire slots, dequantized when the stage is waited for
+            rows = self.O.rows
             EQ = {kk: [fp8.Arrival(pull(kk, [("Q", b_["Qr"][(t - kk) % T], b_["Qw"])],
                                         f"Pull-Q stage {kk + 1} (fp8)"),
-                                   lambda a=(t - kk) % T: fp8.dequantize_(b_["Qr"][a], self.O.rows[a]))]
+                                   lambda a=(t - kk) % T: fp8.dequantize_(b_["Qr"][a], rows[a]))]
                   for kk in range(1, T)}
             EKV = {kk: [fp8.Arrival(pull(kk, [("K/V", b_["KVr"][kk - 1], b_["KVw"])],
                                          f"Pull-KV stage {kk} (fp8)"),
@@ -182,6 +190,29 @@ class OneSidedTorusIO:
     def ring(self, q_chunks, states, a, *, scale, what, masks=None):
         self._ring(q_chunks, states, self._kv(a), scale=scale, what=what, masks=masks)  # packed: one get a step
 
+    def ring_all(self, a, *, what):
+        """Gets of block ``a`` from every ring peer's symmetric buffer (the ``"ring"`` queue)
+        into ``G`` (``[T, R-1, U, 2, B, h_kv, S, D]``, slot ``i - 1`` = ring rank ``r + i``),
+        each peer's block one transfer."""
+        if a not in self._gathered:
+            R, r, own = len(self.ring_ranks), self.r, self._kv(a)  # [U, 2, B, h_kv, S, D]
+            blocks = {r: own}
+            if R > 1:
+                if "G" not in self.buf:
+                    self.buf["G"] = torch.empty((self.mesh.torus, R - 1, *own.shape), dtype=own.dtype,
+                                                device=own.device)
+                handles = []
+                for i in range(1, R):
+                    r2 = (r + i) % R
+                    p, dst = self.ring_ranks[r2], self.buf["G"][a, i - 1]
+                    handles.append(self.comm.get(dst, own, p, queue="ring",
+                                                 what=f"{what}, ring gather of block {a} from rank {p}"))
+                    blocks[r2] = dst
+                for h in handles:
+                    h.wait()
+            self._gathered[a] = [(r2, slots(blocks[r2])) for r2 in range(R)]
+        return self._gathered[a]
+
     def barrier_ring(self, *, what):
         if len(self.ring_ranks) > 1 and self.fp8:  # ring peers are about to pull my K/V[t'],
             # dequantized after its get: a barrier follows that compute, a sync would not
@@ -194,7 +225,8 @@ class OneSidedTorusIO:
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
         tp = (t - kk) % T
         if self.fp8 and kk:  # across machines: wire slots, into GPU (t', b, r)'s Or[t, u]
-            Ow = fp8.quantize_(self.buf["Ow"][tp], self.O.flat[tp])  # [U, slot] -> [U, bytes]
+            Ow, flat = self.buf["Ow"][tp], self.O.flat[tp]
+            plan.call(lambda: fp8.quantize_(Ow, flat))  # [U, slot] -> [U, bytes]
             for b in machine_order(u, U):
                 self._put(self.buf["Or"][t, u], Ow[b], self._peer(tp, b), f"Push-O to machine {tp} (fp8)")
             return
@@ -206,7 +238,8 @@ class OneSidedTorusIO:
         if self.fp8:  # the outputs pushed from the other machines: Or[a] -> Ob[a]
             for a in range(self.mesh.torus):
                 if a != self.t:
-                    fp8.dequantize_(self.buf["Or"][a], self.Ob.flat[a])
+                    wire, flat = self.buf["Or"][a], self.Ob.flat[a]
+                    plan.call(lambda wire=wire, flat=flat: fp8.dequantize_(wire, flat))
         return self.Ob
 
 
@@ -242,6 +275,13 @@ class OneSidedTorusOps(TorusOps):
         U, S = self.U, self.shape.tokens
         ring_ops(self.prog, PullRing, self.ring_ranks, self.r, q_rows, (S,) * U,
                  self.shape.batch * self.h, (2 * U * self.slot,))
+
+    def ring_all(self) -> None:
+        """``OneSidedTorusIO.ring_all``'s gets: one packed K/V block from every ring peer."""
+        R = len(self.ring_ranks)
+        peers = [self.ring_ranks[(self.r + i) % R] for i in range(1, R)]
+        self.prog.wait(*(self.prog.transfer("get", "ring", recvs=[(p, 2 * self.U * self.slot)])
+                         for p in peers))
 
     def barrier_ring(self) -> None:
         if len(self.ring_ranks) > 1:
@@ -279,12 +319,13 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
     io = OneSidedTorusIO(a.groups, one, a.rank, fp8.enabled(a.options))
-    return TorusAttention(SPEC, a.mesh, io, a.rank, [one])
+    return TorusAttention(SPEC, a.mesh, io, a.rank, [one], a.options)
 
 
 SPEC = register(StrategySpec(
     "swiftfusion", "tas", "as torus, over one-sided put/get with the fused multi-chunk kernel",
     build=build_swiftfusion,
-    program=lambda mesh, rank, shape: torus_ops(OneSidedTorusOps(mesh, rank, shape)), ring="pull",
+    program=lambda mesh, rank, shape, launches="ring": torus_ops(OneSidedTorusOps(mesh, rank, shape),
+                                                                 launches), ring="pull",
     one_sided=True, needs_torus=True,
     fallback="tas", order=3, native=NATIVE))

@@ -27,13 +27,15 @@ from typing import Literal
 
 import torch
 
+from .. import plan
 from ..comm.base import TwoSided
 from ..groups import SPGroups
-from ..kernels import attend, new_state
+from ..kernels import attend, new_states
 from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
 from .ops import Attend, Copy, Op, Program, Shape
+from .planned import PlanCache
 from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing, ring_ops
 
@@ -56,7 +58,8 @@ def tas_schedule(text: bool) -> list[TasStep]:
 
 
 class TasAttention:
-    """Callable ``(q, k, v, joint, scale) -> out`` under the USP contract, on any mesh."""
+    """Callable ``(q, k, v, joint, scale) -> out`` under the USP contract, on any mesh, as
+    execution plans (``planned.py``: one per input signature)."""
 
     def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh, self.comm, self.comms = groups.mesh, comm, [comm]
@@ -68,10 +71,16 @@ class TasAttention:
         self._remote_index: dict[torch.device, torch.Tensor] = {}
         ring = groups.ring_ranks
         self.ring = PassRing(comm, ring, ring.index(rank))
+        self.plans = PlanCache(self.layer)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
         """``q`` ``[B, H, S, D]``, ``k, v`` ``[B, H_kv, S, D]`` -> ``[B, H, S (+ Tj), D]``."""
+        return self.plans(q, k, v, joint, scale, key_mask)
+
+    def layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        """One layer's calls (what a plan records)."""
         G, g = self.mesh.ulysses, self.g
         S = q.shape[2]
         Tj = joint.length if joint is not None else 0
@@ -86,14 +95,16 @@ class TasAttention:
                 case "all_to_all" if s.tensor != "O":
                     # [B, H, S, D] -> [G, B, h, S, D] (slot j -> rank j of the group);
                     # K/V [B, H_kv, S, D] -> [G, B, h_kv, S, D]
-                    x[s.tensor] = self._all_to_all(split_heads(x[s.tensor], G).contiguous(),
-                                                   f"Ulysses all-to-all {s.tensor}")
+                    heads = split_heads(x[s.tensor], G)
+                    send = torch.empty(heads.shape, dtype=heads.dtype, device=heads.device)
+                    plan.call(lambda send=send, heads=heads: send.copy_(heads))
+                    x[s.tensor] = self._all_to_all(send, f"Ulysses all-to-all {s.tensor}")
                 case "init":
                     q_chunks = list(x["Q"].unbind(0))  # slot j: tokens of Ulysses rank j, head group g
                     if joint is not None:
                         jq, jk, jv = joint.head_group(g, G)
                         q_chunks.append(jq)
-                    states = [new_state(c) for c in q_chunks]
+                    states = new_states(q_chunks)
                 case "attend_text":
                     attend(q_chunks, [(jk, jv)], states, scale=scale,
                            key_masks=None if key_mask is None else [key_mask.text])
@@ -108,10 +119,11 @@ class TasAttention:
                            out=list(O.rows.unbind(0)))
                     if joint is not None:
                         (txt,) = attend(q_chunks[G:], [], states[G:], scale=scale, finalize=True)
-                        O.text[:] = txt  # [B, h, Tj, D] broadcast into every slot
+                        text = O.text
+                        plan.call(lambda: text.copy_(txt))  # [B, h, Tj, D] broadcast into every slot
                 case "all_to_all":
                     Ob = Slots.view(self._all_to_all(O.flat, "Ulysses all-to-all O"), B, h, S, Tj, D)
-        return gather_output(Ob, joint)  # G slots -> [B, H, S + Tj, D]
+        return plan.output(lambda: gather_output(Ob, joint))  # G slots -> [B, H, S + Tj, D]
 
     def _all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """``x`` ``[G, ...]``: slot j to Ulysses rank j; slot j of the result from it."""
@@ -122,19 +134,24 @@ class TasAttention:
         # one exchange as all_to_all, the slots of other machines as FP8 wire slots
         idx = self._remote_index.get(x.device)
         if idx is None:
-            idx = self._remote_index[x.device] = torch.tensor(self.remote, device=x.device)
+            with plan.preparing():
+                idx = self._remote_index[x.device] = torch.tensor(self.remote, device=x.device)
         m = x[0].numel()
-        send = fp8.quantize_(fp8.wire_empty(
-            lambda s, d: torch.empty(s, dtype=d, device=x.device), (len(idx),), m),
-            x.index_select(0, idx))  # [n_remote, ...] -> [n_remote, m + 4] bytes
+        send = fp8.wire_empty(lambda s, d: torch.empty(s, dtype=d, device=x.device), (len(idx),), m)
+        # [n_remote, ...] -> [n_remote, m + 4] bytes
+        plan.call(lambda: fp8.quantize_(send, x.index_select(0, idx)))
         recv = torch.empty_like(send)
         wire = dict(zip(self.remote, zip(send.unbind(0), recv.unbind(0))))
         sends = [(wire[j][0] if j in wire else x[j], p) for j, p in enumerate(self.ulysses)]
         recvs = [(wire[j][1] if j in wire else out[j], p) for j, p in enumerate(self.ulysses)]
         self.comm.exchange(sends, recvs, what=what + " (fp8 across machines)", queue="other").wait()
         arrived = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, device=x.device)
-        fp8.dequantize_(recv, arrived)  # [n_remote, m + 4] bytes -> [n_remote, ...]
-        out.index_copy_(0, idx, arrived)
+
+        def unpack() -> None:
+            fp8.dequantize_(recv, arrived)  # [n_remote, m + 4] bytes -> [n_remote, ...]
+            out.index_copy_(0, idx, arrived)
+
+        plan.call(unpack)
         return out
 
     def close(self, failed: bool) -> None:

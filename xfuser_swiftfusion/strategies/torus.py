@@ -34,6 +34,15 @@ dequantized to the compute dtype when its stage is waited for; the intra-machine
 the ring and the local Push-O stay in the compute dtype. Transfers and grouped operations
 are the same as without it.
 
+Launches (option ``launches``): ``"ring"`` (the default on CPU tensors) runs ring attention
+step by step, one ``attend`` per ring step, overlapped with the next block's transfer;
+``"stage"`` (the default on CUDA tensors) runs one ``attend`` per Torus stage and query entry
+over every K/V chunk present (``fused_schedule``): the ring group's chunks of a machine's
+block are gathered first (``TorusIO.ring_all``: gets from the ring peers' symmetric buffers,
+or one grouped exchange), the text K/V joins the same launch, and the outputs are finalized by
+the entry's last launch. Same schedule, same inter-machine transfers, fewer, larger launches:
+10 per layer at T = 4 with text instead of 44 (Flux on 4 x 8).
+
 ``TorusAttention`` runs the steps over a transport with the operations of ``TorusIO``;
 ``TwoSidedTorusIO`` (this file, the ``torus`` strategy) implements them with matched
 isend/irecv, ``OneSidedTorusIO`` (``swiftfusion.py``) with put/get on a symmetric heap.
@@ -42,18 +51,20 @@ written as ops beside it (``TwoSidedTorusOps``, ``OneSidedTorusOps``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import torch
 
+from .. import plan
 from ..comm.base import Handle, TwoSided
 from ..groups import SPGroups
-from ..kernels import AttnState, attend, new_state
+from ..kernels import AttnState, attend, new_states
 from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
 from .ops import Attend, Copy, Op, Program, Shape
+from .planned import PlanCache, graphs_requested
 from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing, ring_ops
 
@@ -140,6 +151,48 @@ def torus_schedule(T: int, t: int, text: bool) -> list[Step]:
     return s
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One ``attend`` of the fused schedule: query entries ``q`` against every K/V chunk of the
+    entries ``kv`` (a machine's block: the chunks of every rank of my ring group; ``TEXT``),
+    finalizing every entry of ``q`` when ``finalize`` (``kv`` may then be empty);
+    ``finalized``: the schedule's finalize steps it took over."""
+
+    what: str
+    q: tuple[Entry, ...]
+    kv: tuple[Entry, ...]
+    finalize: bool = False
+    finalized: tuple[Entry, ...] = ()
+    kind: str = "launch"
+
+
+def fused_schedule(T: int, t: int, text: bool) -> list[Step | Launch]:
+    """``torus_schedule(T, t, text)`` with its attends and finalizations merged into launches:
+    consecutive attends of the same query entries become one launch over all their K/V, and
+    the finalizations right after an entry's last attend join that launch (they must cover all
+    of its query entries). Waits, barriers, pushes and the issue stay steps, in order."""
+    out: list[Step | Launch] = []
+    for s in torus_schedule(T, t, text):
+        last = out[-1] if out else None
+        if s.kind == "attend":
+            if isinstance(last, Launch) and last.q == s.q and not last.finalize:
+                out[-1] = replace(last, kv=(*last.kv, s.kv))
+            else:
+                out.append(Launch(s.what, s.q, (s.kv,)))
+        elif s.kind == "finalize":
+            if isinstance(last, Launch) and s.q[0] in last.q:
+                out[-1] = replace(last, finalize=True, finalized=(*last.finalized, *s.q))
+            else:
+                out.append(Launch(s.what, s.q, (), finalize=True, finalized=s.q))
+        else:
+            out.append(s)
+    for x in out:
+        if isinstance(x, Launch) and x.finalize and set(x.finalized) != set(x.q):
+            raise AssertionError(f"{x.what}: the finalizations {x.finalized} do not cover the "
+                                 f"launch's query entries {x.q}")
+    return out
+
+
 class TorusIO(Protocol):
     """What the schedule needs from communication (all indices are torus ranks)."""
 
@@ -160,6 +213,10 @@ class TorusIO(Protocol):
              scale: float, what: str, masks=None) -> None:
         """Ring attention of ``q_chunks`` against K/V block ``a`` over my ring group
         (``masks``: ring rank -> key masks of its block's U slots, as ``ring._Ring``)."""
+    def ring_all(self, a: int, *, what: str) -> list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """K/V block ``a`` of every rank of my ring group: ``(ring rank, its U (K, V) chunks
+        [B, h_kv, S, D])`` in ring-rank order, gathered here at the first call of a layer
+        (and only then: the gather is part of that layer's calls)."""
     def barrier_ring(self, *, what: str) -> None: ...
     def push_o(self, k: int) -> None:
         """Send ``O[(t-k)%T, :]`` to its owners (k = 0: my machine); receive my outputs."""
@@ -169,26 +226,52 @@ class TorusIO(Protocol):
     O: Slots  # [T, U] outputs computed here, slot [a, b] owned by GPU (a, b, r)
 
 
-class TorusAttention:
-    """Callable ``(q, k, v, joint) -> out`` under the USP contract, running the Torus schedule."""
+LAUNCHES_OPTION = "launches"
+LAUNCHES = ("stage", "ring")
 
-    def __init__(self, spec: StrategySpec, mesh: Mesh, io: TorusIO, rank: int, comms: list) -> None:
+
+def launches_option(options: dict) -> str | None:
+    """Option ``launches`` (``"stage"`` or ``"ring"``, module docstring); None: by device."""
+    value = options.get(LAUNCHES_OPTION)
+    if value is not None and value not in LAUNCHES:
+        raise ValueError(f"option {LAUNCHES_OPTION!r} must be one of {LAUNCHES}, got {value!r}")
+    return value
+
+
+class TorusAttention:
+    """Callable ``(q, k, v, joint) -> out`` under the USP contract, running the Torus schedule
+    as execution plans (``planned.py``: one per input signature)."""
+
+    def __init__(self, spec: StrategySpec, mesh: Mesh, io: TorusIO, rank: int, comms: list,
+                 options: dict | None = None) -> None:
         self.spec, self.mesh, self.io, self.comms = spec, mesh, io, comms
         self.t, self.u, self.r = mesh.coords(rank)
+        options = options or {}
+        self.launches = launches_option(options)  # None: by device
+        self.plans = PlanCache(self.layer, comms=comms, graphs=graphs_requested(options),
+                               name=spec.name if spec is not None else "torus")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
         """``q`` ``[B, H, S, D]``, ``k, v`` ``[B, H_kv, S, D]`` -> ``[B, H, S (+ Tj), D]``."""
+        return self.plans(q, k, v, joint, scale, key_mask)
+
+    def layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
+        """One layer's calls, steps 1-8 (what a plan records)."""
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         if k.shape[1] != q.shape[1]:  # K/V heads that split into the T*U head groups
             k, v, joint = grouped_kv(k, v, joint, q.shape[1], T * U, self.spec.name)
+        launches = self.launches or ("stage" if q.is_cuda else "ring")
         self.io.stage_in(q, k, v, joint.length if joint is not None else 0)  # steps 1-2
-        self._stages(joint, scale, key_mask)  # the running states live only in there, so they are
-        # freed before the output is allocated and the two don't add up in the peak
-        return gather_output(self.io.stage_out(), joint)  # [T, U] slots -> [B, H, S + Tj, D]
+        self._stages(joint, scale, key_mask, launches)
+        Ob = self.io.stage_out()
+        return plan.output(lambda: gather_output(Ob, joint))  # [T, U] slots -> [B, H, S + Tj, D]
 
-    def _stages(self, joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> None:
-        """Steps 3-7: run ``torus_schedule`` against the transport.
+    def _stages(self, joint: Joint | None, scale: float, key_mask: KeyMask | None,
+                launches: str) -> None:
+        """Steps 3-7: run ``torus_schedule`` (``launches="ring"``) or ``fused_schedule``
+        (``"stage"``) against the transport.
 
         Query entry ``a`` is the U chunks ``[B, h, S, D]`` of ``io.q_block(a)``, ``TEXT`` the
         text queries ``[B, h, Tj, D]`` of my head group; one running state per chunk.
@@ -198,9 +281,7 @@ class TorusAttention:
         if joint is not None:
             jq, jk, jv = joint.head_group(self.t * U + self.u, T * U)  # [B, h(_kv), Tj, D]
             jkv = [(jk, jv)]
-        # keyword arguments of the text attends / the ring attentions of machine a's block,
-        # only where a mask applies
-        text_kw = {} if key_mask is None or key_mask.text is None else {"key_masks": [key_mask.text]}
+        text_mask = None if key_mask is None else key_mask.text
         masks = {}  # machine a -> (ring rank -> key masks of its U slots)
         if key_mask is not None and key_mask.tokens is not None:
             rank_of = self.mesh.rank_of
@@ -208,14 +289,17 @@ class TorusAttention:
                      for a in range(T)}
         chunks: dict[Entry, list[torch.Tensor]] = {}
         states: dict[Entry, list[AttnState]] = {}
-        for s in torus_schedule(T, self.t, joint is not None):
+        schedule = (fused_schedule if launches == "stage" else torus_schedule)(T, self.t, joint is not None)
+        for s in schedule:
             match s.kind:
                 case "issue":
                     EQ, EKV = io.issue_pulls()
                 case "init":
                     for e in s.q:
                         chunks[e] = [jq] if e == TEXT else list(io.q_block(e).unbind(0))
-                        states[e] = [new_state(c) for c in chunks[e]]
+                    fresh = iter(new_states([c for e in s.q for c in chunks[e]]))
+                    for e in s.q:
+                        states[e] = [next(fresh) for _ in chunks[e]]
                 case "wait_q":
                     _wait(EQ[s.k])
                 case "wait_kv":
@@ -226,19 +310,57 @@ class TorusAttention:
                     qs = [c for e in s.q for c in chunks[e]]
                     sts = [x for e in s.q for x in states[e]]
                     if s.kv == TEXT:
-                        attend(qs, jkv, sts, scale=scale, **text_kw)
+                        attend(qs, jkv, sts, scale=scale,
+                               **({} if text_mask is None else {"key_masks": [text_mask]}))
                     else:
                         ring_kw = {"masks": masks[s.kv]} if s.kv in masks else {}
                         io.ring(qs, sts, s.kv, scale=scale, what=s.what, **ring_kw)
                 case "finalize":
                     (e,) = s.q
                     if e == TEXT:  # [B, h, Tj, D]: the text rows of my head group, in every slot
-                        io.O.text[:] = attend(chunks[e], [], states[e], scale=scale, finalize=True)[0]
+                        (txt,) = attend(chunks[e], [], states[e], scale=scale, finalize=True)
+                        self._text_rows(txt)
                     else:  # O.rows[e] may hold Q[e] until now
                         attend(chunks[e], [], states[e], scale=scale, finalize=True,
                                out=list(io.O.rows[e].unbind(0)))
+                case "launch":
+                    self._launch(s, chunks, states, jkv, text_mask, masks, scale)
                 case "push":
                     io.push_o(s.k)
+
+    def _launch(self, s: Launch, chunks: dict, states: dict, jkv, text_mask, masks: dict,
+                scale: float) -> None:
+        """One attend of the fused schedule: the query entries' chunks against every chunk of
+        its K/V entries (a machine's block gathered over my ring group), finalized into ``O``
+        when the launch finalizes (``O.rows[e]`` may hold ``Q[e]`` until then: each query tile
+        is read before its output is written)."""
+        io = self.io
+        kv, kmasks = [], []
+        for e in s.kv:
+            if e == TEXT:
+                kv += jkv
+                kmasks.append(text_mask)
+            else:
+                for r2, block in io.ring_all(e, what=s.what):
+                    kv += block
+                    kmasks += masks[e](r2) if e in masks else [None] * len(block)
+        out = None
+        if s.finalize:
+            out = [c for e in s.q for c in (
+                [torch.empty(chunks[TEXT][0].shape, dtype=chunks[TEXT][0].dtype,
+                             device=chunks[TEXT][0].device)] if e == TEXT
+                else io.O.rows[e].unbind(0))]
+        attend([c for e in s.q for c in chunks[e]], kv, [x for e in s.q for x in states[e]],
+               scale=scale, finalize=s.finalize, out=out,
+               key_masks=kmasks if any(m is not None for m in kmasks) else None)
+        if s.finalize and TEXT in s.q:
+            at = sum(len(chunks[e]) for e in s.q[:s.q.index(TEXT)])
+            self._text_rows(out[at])
+
+    def _text_rows(self, txt: torch.Tensor) -> None:
+        """The text output ``[B, h, Tj, D]`` of my head group into the text rows of every slot."""
+        text = self.io.O.text
+        plan.call(lambda: text.copy_(txt))  # broadcast into [T, U, B, h, Tj, D]
 
     def close(self, failed: bool) -> None:
         """Nothing besides the communicators."""
@@ -282,7 +404,11 @@ class TwoSidedTorusIO:
             self._buffers = {key: {"Q": O.rows,  # the received Q block of machine a lives in O.rows[a]
                                    "K": q.new_empty(T, U, B, h_kv, S, D),
                                    "V": q.new_empty(T, U, B, h_kv, S, D),
-                                   "O": O, "Ob": Ob}}
+                                   "O": O, "Ob": Ob,
+                                   # my tokens, every head group: the send buffers of step 1
+                                   "src": {"Q": q.new_empty(T, U, B, h, S, D),
+                                           "K": q.new_empty(T, U, B, h_kv, S, D),
+                                           "V": q.new_empty(T, U, B, h_kv, S, D)}}}
             if self.fp8:  # wire slots of Q, K, V, O (O: a whole slot, image and text rows)
                 empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=q.device)  # noqa: E731
                 m = {"Q": B * h * S * D, "K": B * h_kv * S * D, "V": B * h_kv * S * D,
@@ -291,13 +417,18 @@ class TwoSidedTorusIO:
                                            for n in m for d in "sr"}
         self.buf = self._buffers[key]
         self.O, self.Ob = self.buf["O"], self.buf["Ob"]
+        self._gathered: dict[int, list] = {}
         # step 1, [B, H(_kv), S, D] -> [T, U, B, h(_kv), S, D]: my tokens, every head group (send buffers)
-        self.src = {n: split_heads(x, T, U).contiguous() for n, x in (("Q", q), ("K", k), ("V", v))}
+        self.src = self.buf["src"]
+        for n, x in (("Q", q), ("K", k), ("V", v)):
+            dst, src = self.src[n], split_heads(x, T, U)
+            plan.call(lambda dst=dst, src=src: dst.copy_(src))
         if self.fp8:  # the slots for the other machines, as wire slots
             for n, x in self.src.items():
                 for a in range(T):
                     if a != self.t:
-                        fp8.quantize_(self.buf["W"][n, "s"][a], x[a])  # [U, B, h, S, D] -> [U, bytes]
+                        wire, xa = self.buf["W"][n, "s"][a], x[a]
+                        plan.call(lambda wire=wire, xa=xa: fp8.quantize_(wire, xa))  # [U, B, h, S, D] -> [U, bytes]
         _wait(self._exchange(0, ("Q", "K", "V"), "Ulysses scatter (intra-machine)"))
 
     def _exchange(self, kk: int, names: tuple[str, ...], what: str) -> list[Handle]:
@@ -306,12 +437,12 @@ class TwoSidedTorusIO:
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tn, tp = (t + kk) % T, (t - kk) % T
         if self.fp8 and kk:  # across machines: wire slots, dequantized into my slots [t-kk] on wait
-            W = self.buf["W"]
+            W, buf = self.buf["W"], self.buf
             return [fp8.Arrival([self.comm.exchange(
                 [(W[n, "s"][tn, b], self._peer(tn, b)) for b in range(U)],
                 [(W[n, "r"][tp, b], self._peer(tp, b)) for b in range(U)],
                 what=f"{what} {n} (fp8)", queue="other")],
-                lambda n=n: fp8.dequantize_(W[n, "r"][tp], self.buf[n][tp])) for n in names]
+                lambda n=n: fp8.dequantize_(W[n, "r"][tp], buf[n][tp])) for n in names]
         return [self.comm.exchange([(self.src[n][tn, b], self._peer(tn, b)) for b in range(U)],
                                    [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
                                    what=f"{what} {n}", queue="other") for n in names]
@@ -331,6 +462,32 @@ class TwoSidedTorusIO:
     def ring(self, q_chunks, states, a, *, scale, what, masks=None):
         self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what, masks=masks)
 
+    def ring_all(self, a, *, what):
+        """One grouped exchange on the ``"ring"`` queue: my block ``a`` to every ring peer,
+        theirs into ``G`` (``[T, R-1, U, B, h_kv, S, D]`` per tensor, slot ``i - 1`` = ring
+        rank ``r + i``)."""
+        if a not in self._gathered:
+            R, r = len(self.ring_ranks), self.r
+            k, v = self.kv_block(a)  # [U, B, h_kv, S, D]
+            blocks = {r: (k, v)}
+            if R > 1:
+                if "G" not in self.buf:
+                    self.buf["G"] = {n: torch.empty((self.mesh.torus, R - 1, *k.shape), dtype=k.dtype,
+                                                    device=k.device) for n in "KV"}
+                G = self.buf["G"]
+                sends, recvs = [], []
+                for i in range(1, R):
+                    r2 = (r + i) % R
+                    p, gk, gv = self.ring_ranks[r2], G["K"][a, i - 1], G["V"][a, i - 1]
+                    sends += [(k, p), (v, p)]
+                    recvs += [(gk, p), (gv, p)]
+                    blocks[r2] = (gk, gv)
+                self.comm.exchange(sends, recvs, what=f"{what}, ring all-gather of block {a}",
+                                   queue="ring").wait()
+            self._gathered[a] = [(r2, list(zip(blocks[r2][0].unbind(0), blocks[r2][1].unbind(0))))
+                                 for r2 in range(R)]
+        return self._gathered[a]
+
     def barrier_ring(self, *, what):
         """Two-sided rings synchronise through their own sends and receives."""
 
@@ -339,13 +496,13 @@ class TwoSidedTorusIO:
         T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
         tp, tn = (t - kk) % T, (t + kk) % T
         if self.fp8 and kk:  # across machines: wire slots, dequantized into Ob[t+kk] in stage_out
-            W = self.buf["W"]
-            fp8.quantize_(W["O", "s"][tp], self.O.flat[tp])  # [U, slot] -> [U, bytes]
+            W, flat, flat_b = self.buf["W"], self.O.flat[tp], self.Ob.flat[tn]
+            plan.call(lambda: fp8.quantize_(W["O", "s"][tp], flat))  # [U, slot] -> [U, bytes]
             sends = [(W["O", "s"][tp, b], self._peer(tp, b)) for b in range(U)]
             recvs = [(W["O", "r"][tn, b], self._peer(tn, b)) for b in range(U)]
             self._pending.append(fp8.Arrival(
                 [self.comm.exchange(sends, recvs, what=f"Push-O to machine {tp} (fp8)", queue="other")],
-                lambda: fp8.dequantize_(W["O", "r"][tn], self.Ob.flat[tn])))
+                lambda: fp8.dequantize_(W["O", "r"][tn], flat_b)))
             return
         sends = [(self.O.flat[tp, b], self._peer(tp, b)) for b in range(U)]
         recvs = [(self.Ob.flat[tn, b], self._peer(tn, b)) for b in range(U)]
@@ -404,6 +561,14 @@ class TwoSidedTorusOps(TorusOps):
         ring_ops(self.prog, PassRing, self.ring_ranks, self.r, q_rows, (S,) * U,
                  self.shape.batch * self.h, (U * self.slot, U * self.slot))
 
+    def ring_all(self) -> None:
+        """``TwoSidedTorusIO.ring_all``'s exchange: K and V of my block to every ring peer."""
+        R = len(self.ring_ranks)
+        peers = [self.ring_ranks[(self.r + i) % R] for i in range(1, R)]
+        n = self.U * self.slot
+        self.prog.wait(self.prog.transfer("exchange", "ring", [(p, n) for p in peers for _ in "KV"],
+                                          [(p, n) for p in peers for _ in "KV"]))
+
     def barrier_ring(self) -> None:
         """Two-sided rings synchronise through their own sends and receives."""
 
@@ -414,14 +579,17 @@ class TwoSidedTorusOps(TorusOps):
         self.prog.wait(*self.pending)
 
 
-def torus_ops(io: TorusOps) -> list[Op]:
+def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
     """The ops of one Torus layer on ``io``'s rank: steps 1-2, ``torus_schedule``'s steps
-    3-7 over ``io``, step 8."""
+    3-7 over ``io`` (``launches="stage"``: ``fused_schedule``'s), step 8."""
     T, U, S, Tj = io.T, io.U, io.shape.tokens, io.shape.text
+    R = len(io.ring_ranks)
     prog, bh = io.prog, io.shape.batch * io.h
     rows: dict[Entry, tuple[int, ...]] = {a: (S,) * U for a in range(T)} | {TEXT: (Tj,)}
+    gathered: set[Entry] = set()
     io.stage_in()
-    for s in torus_schedule(T, io.t, Tj > 0):
+    schedule = (fused_schedule if launches == "stage" else torus_schedule)(T, io.t, Tj > 0)
+    for s in schedule:
         match s.kind:
             case "issue":
                 EQ, EKV = io.issue_pulls()
@@ -441,6 +609,14 @@ def torus_ops(io: TorusOps) -> list[Op]:
                     io.ring(q_rows)
             case "finalize":
                 prog.add(Attend(rows[s.q[0]], (), bh, finalize=True))
+            case "launch":
+                kv_rows: tuple[int, ...] = ()
+                for e in s.kv:
+                    if e != TEXT and e not in gathered and R > 1:
+                        io.ring_all()
+                        gathered.add(e)
+                    kv_rows += rows[e] if e == TEXT else (S,) * (U * R)
+                prog.add(Attend(tuple(n for e in s.q for n in rows[e]), kv_rows, bh, finalize=s.finalize))
             case "push":
                 io.push_o(s.k)
     io.stage_out()
@@ -451,11 +627,12 @@ def torus_ops(io: TorusOps) -> list[Op]:
 def build_torus(a) -> TorusAttention:
     two = a.two_sided()
     io = TwoSidedTorusIO(a.groups, two, a.rank, fp8.enabled(a.options))
-    return TorusAttention(SPEC, a.mesh, io, a.rank, [two])
+    return TorusAttention(SPEC, a.mesh, io, a.rank, [two], a.options)
 
 
 SPEC = register(StrategySpec(
     "torus", "tas", "as tas, the inter-machine all-to-all in Torus stages over isend/irecv, "
     "overlapped with attention", build=build_torus,
-    program=lambda mesh, rank, shape: torus_ops(TwoSidedTorusOps(mesh, rank, shape)), needs_torus=True,
+    program=lambda mesh, rank, shape, launches="ring": torus_ops(TwoSidedTorusOps(mesh, rank, shape),
+                                                                 launches), needs_torus=True,
     fallback="tas", order=2, native=NATIVE))

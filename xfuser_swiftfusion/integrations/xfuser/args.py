@@ -2,8 +2,9 @@
 parse-time checks, and ``xdit``'s process count.
 
 ``install()`` (``__init__``) replaces ``xFuserArgs`` by a dataclass subclass with
-``sp_strategy`` and ``topology`` fields and the flags ``--sp_strategy`` / ``--topology NxM``
-(xFuser's FlexibleArgumentParser also accepts ``--sp-strategy``). When the flag is given,
+``sp_strategy``, ``topology``, ``sf_cuda_graphs`` and ``sf_launches`` fields and the flags
+``--sp_strategy`` / ``--topology NxM`` / ``--sf_cuda_graphs on|off`` / ``--sf_launches
+stage|ring`` (xFuser's FlexibleArgumentParser also accepts ``--sp-strategy`` and the like). When the flag is given,
 ``create_config()`` calls ``use_strategy`` before xFuser builds its groups, so xFuser's runner
 (``xdit`` / ``torchrun -m xfuser.runner``) and example scripts run on the strategy. Degrees:
 given ``--ulysses_degree/--ring_degree`` are honoured for ``usp`` and validated against topology
@@ -60,6 +61,12 @@ def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--topology", default=None,
                        help="machines x GPUs per machine, NxM (default: $SWIFTFUSION_TOPOLOGY, "
                             "else detected from the launcher)")
+    group.add_argument("--sf_cuda_graphs", choices=("on", "off"), default=None,
+                       help="run each attention layer's execution plan as a CUDA graph "
+                            "(default: $SWIFTFUSION_CUDA_GRAPHS, else on with CUDA)")
+    group.add_argument("--sf_launches", choices=("stage", "ring"), default=None,
+                       help="torus/swiftfusion attention launches: one per Torus stage and query "
+                            "block (stage, the default with CUDA) or one per ring step (ring)")
     parse_args = parser.parse_args
 
     def checked_parse_args(args=None, namespace=None):
@@ -119,6 +126,8 @@ def _make_args_class(base: type) -> type:
 
         sp_strategy: str | None = None
         topology: str | None = None
+        sf_cuda_graphs: str | None = None
+        sf_launches: str | None = None
 
         @staticmethod
         def add_cli_args(parser):
@@ -149,7 +158,8 @@ def route_sp_strategy(args) -> tuple[int, int]:
         u, r = _degrees_of(args)
         ctx = use_strategy(args.sp_strategy, read_num_heads(args.model), args.topology,
                            ulysses_degree=u, ring_degree=r, cfg_degree=_cfg_degree_of(args),
-                           fp8_comms=bool(getattr(args, "use_fp8_comms", False)))
+                           fp8_comms=bool(getattr(args, "use_fp8_comms", False)),
+                           options=strategy_options(args))
     elif ctx.strategy != args.sp_strategy:
         raise PluginError(f"--sp-strategy {args.sp_strategy}, but {ctx.strategy} is already "
                           "routed in this process")
@@ -157,6 +167,18 @@ def route_sp_strategy(args) -> tuple[int, int]:
     # heads (xFuser's own USP, for the calls handed back to it, runs on the real heads)
     u, r, _ = state.xfuser_sp_layout()
     return u, r
+
+
+def strategy_options(args) -> dict:
+    """``init_sequence_parallel`` options of ``--sf-cuda-graphs`` and ``--sf-launches`` (the
+    ones given)."""
+    out = {}
+    graphs = getattr(args, "sf_cuda_graphs", None)
+    if graphs is not None:
+        out["cuda_graphs"] = graphs == "on"
+    if getattr(args, "sf_launches", None) is not None:
+        out["launches"] = args.sf_launches
+    return out
 
 
 def patch_args(args_module: ModuleType) -> None:

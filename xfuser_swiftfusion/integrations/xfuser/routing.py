@@ -299,7 +299,7 @@ def check_sp_degrees(strategy: str, sp_topology: Topology, cfg_degree: int,
 def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
                  ulysses_degree: int | None = None, ring_degree: int | None = None,
                  timeout_s: float | None = None, cfg_degree: int = 1,
-                 fp8_comms: bool = False) -> SequenceParallelContext:
+                 fp8_comms: bool = False, options: dict | None = None) -> SequenceParallelContext:
     """Route xFuser's ``USP`` (every model) to ``strategy``; return its context.
 
     Call after ``torch.distributed`` is initialised. Builds xFuser's parallel state with the
@@ -311,6 +311,7 @@ def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
     ``topology``, ``mesh`` and ``rank`` are its SP group's). One strategy at a time:
     ``restore_usp()`` first to switch. ``fp8_comms`` (xFuser's ``--use_fp8_comms``): the
     strategy sends what crosses machines as FP8 with per-slot scales (option ``fp8_comms``).
+    ``options``: more options of ``init_sequence_parallel`` (``cuda_graphs``, ``launches``).
     """
     global _route
     check_strategy(strategy)
@@ -333,8 +334,8 @@ def use_strategy(strategy: str, num_heads: int, topology: str | None = None, *,
         try:  # xFuser's groups exist now: a usp context runs on them (and leaves them alone)
             ctx = init_sequence_parallel(
                 strategy, num_heads, topo, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
-                timeout_s=timeout_s, options={"xfuser_usp": usp.USP, "usp_ulysses": mesh.ulysses,
-                                              "fp8_comms": bool(fp8_comms)},
+                timeout_s=timeout_s, options={**(options or {}), "xfuser_usp": usp.USP,
+                                              "usp_ulysses": mesh.ulysses, "fp8_comms": bool(fp8_comms)},
                 ranks=list(members))
         except BaseException:
             if owns:

@@ -11,19 +11,23 @@ do, with no peer to wait for. What it measures is therefore the layer's compute 
 (the copies run at device-memory speed, far above any link), for Flux 3072 / 4096 px and
 CogVideoX 5B on 4 x 8 GPUs (``kernel.MODELS``; CPU stand-ins with ``--allow-cpu``):
 
-* per backend of ``attend`` (triton, cudnn, torch flash, flash-attn where installed): the GPU
-  time per layer and the host (Python) time to issue it (``timing.host_and_gpu_ms``); where
-  the host time exceeds the GPU time the layer is host-bound on a real cluster too (its
-  compute is the same there), and the row says so;
-* the same layer captured in a CUDA graph and replayed (``torch.cuda.graph``), where the
-  layer's calls allow capture (the row names the call that does not), its replayed output
-  checked against the eager layer's from the same state (``same_output``; a FAIL beyond
-  ``GRAPH_TOLERANCE``); where the host cannot run ahead of the GPU (``HostWaits``), the
-  replay's time is the layer's GPU time;
+* xFuser's USP on the same rank (``usp_layer.py``: Ulysses inside, ring across, one attention
+  call with log-sum-exp per ring block and torch's merge, its all-to-alls as device copies):
+  the row every other row is read against (``usp_gpu_ms`` in each row's data);
+* per backend of ``attend`` (triton, cudnn, torch flash, flash-attn where installed) and
+  variant (``VARIANTS``): the layer's calls made directly at every call as before execution
+  plans (``direct``, one launch per ring step), and as plans (``plan.py``) with one launch per
+  ring step, with one launch per Torus stage and query entry (``plan``), and replayed as the
+  plan's CUDA graph (``plan + CUDA graph``, the default on CUDA): the GPU time per layer and
+  the host (Python) time to issue it (``timing.host_and_gpu_ms``; where the host time exceeds
+  the GPU time the layer is host-bound on a real cluster too), the attention kernel launches
+  (the profiler's), the attend calls; a graph row's replayed output is checked against the
+  eager plan's from the same state (``same_output``; a FAIL beyond ``GRAPH_TOLERANCE``) and its
+  back-to-back wall time set beside its GPU time; the ``direct`` row also captures the whole
+  call in a CUDA graph where its calls allow (the row names the call that does not);
 * xFuser's USP-equivalent: one attention kernel over the same tokens (the rank's ``L / R``
   queries of its ``H / P_u`` heads, text included, against all keys), cuDNN as xFuser runs it
-  on Hopper and torch's flash attention: the compute floor the layer's chunked launches and
-  merges are compared with.
+  on Hopper and torch's flash attention: the compute floor.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from ...kernels import attend_calls
 from .kernel import LABELS, ModelShape, backend, models, runnable
 from .report import RowWriter
 from .timing import HostWaits, call_ms, host_and_gpu_ms, kernel_ms
+from .usp_layer import UspLayer, build_usp
 
 
 class _Done(Handle):
@@ -60,9 +65,11 @@ class _EventDone(Handle):
 @dataclass(eq=False)
 class ReplayComm(OneSided):
     """One rank of a world that is not there (see the module docstring): symmetric buffers are
-    device tensors of this rank, filled with random values (no peer writes them); ``put`` and
-    ``get`` with any peer copy between this rank's own buffers; byte counts as the real
-    transfers'. ``copies``: device-to-device copies issued."""
+    device tensors of this rank, filled with random values (no peer writes them); a ``get``
+    from any peer copies from this rank's own buffer, a ``put`` to another peer into a scratch
+    image of the buffer that nothing reads (puts to several peers would otherwise land in one
+    local slot, concurrently on pool streams: a race no real cluster has); byte counts as the
+    real transfers'. ``copies``: device-to-device copies issued."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     copies: int = field(default=0, init=False)
@@ -85,74 +92,89 @@ class ReplayComm(OneSided):
             t.normal_(generator=self._gen)
         else:
             t.zero_()
-        self._buffers.add(t, t)
+        self._buffers.add(t, (t, torch.empty_like(t)))  # (buffer, the scratch image remote puts land in)
         self._heap_bytes += t.numel() * t.element_size()
         return t
 
     def symmetric_heap_bytes(self) -> int:
         return self._heap_bytes
 
-    def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self._transfer("put", dst, src, peer, queue)
-
-    def get(self, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str, what: str) -> Handle:
-        return self._transfer("get", src, dst, peer, queue)
-
-    def _transfer(self, op: str, sym: torch.Tensor, local: torch.Tensor, peer: int, queue: str) -> Handle:
+    def prepare(self, op: str, dst: torch.Tensor, src: torch.Tensor, peer: int, *, queue: str,
+                what: str) -> Callable[[], Handle]:
+        sym, local = (dst, src) if op == "put" else (src, dst)
         self.check_transfer(sym, local, peer, queue)
-        self._buffers.lookup(sym)
-        self.counter.count(peer, sym.numel() * sym.element_size())
+        if op == "put" and peer != self.rank:  # the same view of the scratch image
+            sym = _same_view(self._buffers.lookup(sym)[1], sym)
+        else:
+            self._buffers.lookup(sym)
+        nbytes = sym.numel() * sym.element_size()
+        staged = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype,
+                                                                 device=local.device)
+        # one copy per contiguous byte run of the symmetric side, as NVSHMEM makes one call
+        far = _bytes(sym.untyped_storage(), sym.device)
+        near = staged.reshape(-1).view(torch.uint8)
+        base, pos, runs = sym.storage_offset() * sym.element_size(), 0, []
+        for off, n in contiguous_runs(sym):
+            a, b = far[base + off:base + off + n], near[pos:pos + n]
+            runs.append((a, b) if op == "put" else (b, a))
+            pos += n
+        stage_in, stage_out = staged is not local and op == "put", staged is not local and op == "get"
+
+        def copy() -> None:
+            if stage_in:
+                staged.copy_(local)
+            for to, frm in runs:
+                to.copy_(frm)
+            if stage_out:
+                local.copy_(staged)
+            self.copies += len(runs)
+
         if not self._cuda:
-            self._copy_runs(op, sym, local)
-            return _Done()
+            def issue() -> Handle:
+                self.counter.count(peer, nbytes)
+                copy()
+                return _Done()
+            return issue
         pool = self._pools[queue]
         stream = pool[self._turn[queue]]
         self._turn[queue] = (self._turn[queue] + 1) % len(pool)
-        self._used[id(stream)] = stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._copy_runs(op, sym, local)
-            event = torch.cuda.Event()
-            event.record(stream)
-        local.record_stream(stream)
-        return _EventDone(event)
 
-    def _copy_runs(self, op: str, sym: torch.Tensor, local: torch.Tensor) -> None:
-        """One copy per contiguous byte run of ``sym`` (a local side that is not contiguous is
-        staged through a contiguous temporary, as the NVSHMEM communicator does)."""
-        staged = local if local.is_contiguous() else (
-            local.contiguous() if op == "put" else torch.empty(local.shape, dtype=local.dtype,
-                                                               device=local.device))
-        far = _bytes(sym.untyped_storage(), sym.device)
-        near = staged.reshape(-1).view(torch.uint8)
-        base, pos = sym.storage_offset() * sym.element_size(), 0
-        for off, n in contiguous_runs(sym):
-            a, b = far[base + off:base + off + n], near[pos:pos + n]
-            (a.copy_(b) if op == "put" else b.copy_(a))
-            self.copies += 1
-            pos += n
-        if staged is not local and op == "get":
-            local.copy_(staged)
+        def issue_cuda() -> Handle:
+            self.counter.count(peer, nbytes)
+            self._used[id(stream)] = stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                copy()
+                event = torch.cuda.Event()
+                event.record(stream)
+            local.record_stream(stream)
+            return _EventDone(event)
 
-    def _order_after_transfers(self) -> None:
-        if self._cuda:
-            current = torch.cuda.current_stream()
-            for s in self._used.values():
-                current.wait_stream(s)
-            self._used.clear()
-        self.counter.barriers += 1
+        return issue_cuda
 
-    def barrier_all(self, *, what: str) -> None:
-        self._order_after_transfers()
+    def prepare_barrier(self, ranks: tuple[int, ...] | None, *, what: str,
+                        quiet: bool = True) -> Callable[[], None]:
+        """A barrier orders the current stream after the transfers issued since the last one;
+        a sync has nothing to order (the transfers it orders were waited for already)."""
+        def barrier() -> None:
+            if quiet and self._cuda:
+                current = torch.cuda.current_stream()
+                for s in self._used.values():
+                    current.wait_stream(s)
+                self._used.clear()
+            self.counter.barriers += 1
 
-    def barrier(self, ranks: tuple[int, ...], *, what: str) -> None:
-        self._order_after_transfers()
-
-    def sync(self, ranks: tuple[int, ...], *, what: str) -> None:
-        self.counter.barriers += 1  # the transfers it orders were waited for already
+        return barrier
 
     def close(self) -> None:
         self._buffers.clear()
+
+
+def _same_view(image: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The view of ``image`` (a buffer of the same shape as ``view``'s base) that ``view`` is of
+    its own buffer: same storage offset, sizes and strides."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        image.untyped_storage(), view.storage_offset(), view.size(), view.stride())
 
 
 def generator(device: torch.device, seed: int = 0) -> torch.Generator:
@@ -169,7 +191,9 @@ def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class ReplayLayer:
-    """Rank 0's ``swiftfusion`` layer of ``model`` on ``nodes`` x ``gpus`` with its inputs."""
+    """Rank 0's ``swiftfusion`` layer of ``model`` on ``nodes`` x ``gpus`` with its inputs.
+    ``layer`` is the strategy as users run it (execution plans, the device's default launches
+    and CUDA graphs); ``variant`` builds the others over the same transport and buffers."""
 
     model: ModelShape
     layer: object
@@ -183,9 +207,21 @@ class ReplayLayer:
     usp_heads: int
     usp_queries: int
     keys: int
+    usp_ulysses: int = 1
+    usp_ring: int = 1
 
     def __call__(self) -> torch.Tensor:
         return self.layer(self.q, self.k, self.v, self.joint, self.scale)
+
+    def variant(self, plan: bool, launches: str, graphs: bool) -> Callable[[], torch.Tensor]:
+        """The layer with its calls made directly (``plan=False``: the schedule walked at every
+        call, as before execution plans) or as plans, with ``launches`` ("ring" / "stage") and,
+        for plans, CUDA graphs on or off."""
+        from ...strategies.torus import TorusAttention
+        attn = TorusAttention(self.layer.spec, self.mesh, self.layer.io, 0, [self.comm],
+                              {"launches": launches, "cuda_graphs": graphs})
+        run = attn if plan else attn.layer
+        return lambda: run(self.q, self.k, self.v, self.joint, self.scale)
 
 
 def build_layer(model: ModelShape, device: torch.device, dtype: torch.dtype = torch.bfloat16,
@@ -214,7 +250,32 @@ def build_layer(model: ModelShape, device: torch.device, dtype: torch.dtype = to
     joint = Joint(make(model.joint), make(model.joint), make(model.joint), "front") if model.joint else None
     usp = choose_mesh(topo, model.heads, "usp")  # xFuser's USP: Ulysses x Ring degrees
     return ReplayLayer(model, layer, comm, make(S), make(S), make(S), joint, D ** -0.5, mesh,
-                       model.heads // usp.ulysses, S * W // usp.ring + model.joint, S * W + model.joint)
+                       model.heads // usp.ulysses, S * W // usp.ring + model.joint, S * W + model.joint,
+                       usp.ulysses, usp.ring)
+
+
+def usp_layer(r: ReplayLayer, name: str) -> UspLayer:
+    """xFuser's USP on the same rank (``usp_layer.py``) with backend ``name``'s attention op
+    (``cudnn``, ``torch``: torch's flash attention, ``flash``: flash-attn, ``cpu``)."""
+    joint = None if r.joint is None else (r.joint.q, r.joint.k, r.joint.v)
+    return build_usp(r.q, r.k, r.v, joint, r.usp_ulysses, r.usp_ring, r.scale, _usp_op(name))
+
+
+def _usp_op(name: str):
+    """(q, k, v, scale) -> (out, lse) of backend ``name``, as xFuser's attention backends call it."""
+    if name == "cpu":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return lambda q, k, v, scale: op(q, k, v, scale=scale)[:2]
+    if name == "flash":
+        from flash_attn import flash_attn_func
+
+        def flash(q, k, v, scale):
+            out, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          softmax_scale=scale, return_attn_probs=True)
+            return out.transpose(1, 2), lse
+        return flash
+    from ...kernels import torch_cuda
+    return torch_cuda.cudnn_op if name == "cudnn" else torch_cuda.flash_op
 
 
 def usp_single_kernel(r: ReplayLayer, name: str):
@@ -240,14 +301,15 @@ def same_output(r: ReplayLayer, first: Callable[[], torch.Tensor],
     """Max abs difference between the outputs of ``first()`` and ``second()``, each run from
     the symmetric buffers as they are now: what its transfers leave in them is the only state
     the layer carries from call to call."""
-    saved = [(t, t.clone()) for t in r.comm._buffers.entries()]
+    saved = [(t, t.clone()) for t, _ in r.comm._buffers.entries()]
     a = first().clone()
     for t, before in saved:
         t.copy_(before)
     return (a.float() - second().float()).abs().max().item()
 
 
-def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str, float | None]:
+def _graph_ms(fn: Callable[[], torch.Tensor], r: ReplayLayer,
+              quick: bool) -> tuple[float | None, str, float | None]:
     """(median milliseconds per replay of the layer captured in a CUDA graph, or None; what
     happened: the first error raised inside the capture, not the one ending the capture then
     raises, e.g. 'capturing stream has unjoined work' for the transfers left mid-layer; the
@@ -257,12 +319,12 @@ def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str, float | N
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-            r()
+            fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             try:
-                out = r()
+                out = fn()
             except BaseException as exc:
                 inside.append(exc)
                 raise
@@ -275,7 +337,7 @@ def _graph_ms(r: ReplayLayer, quick: bool) -> tuple[float | None, str, float | N
         graph.replay()
         return out
 
-    diff = same_output(r, r, replayed)
+    diff = same_output(r, fn, replayed)
     return call_ms(graph.replay, r.q.device, quick), "captured", diff
 
 
@@ -284,71 +346,152 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _one_layer(r: ReplayLayer) -> dict[str, int]:
-    """Run the layer once: its attend calls, copies and transfer bytes."""
+def _one_layer(r: ReplayLayer, fn: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """Run ``fn`` (a variant of the layer) once: its attend calls, copies and transfer bytes."""
     calls0, copies0 = attend_calls(), r.comm.copies
     r.comm.counter.reset()
-    r()
+    fn()
     return {"attend_calls": attend_calls() - calls0, "copies": r.comm.copies - copies0,
             "inter_node_bytes": r.comm.counter.inter_node_bytes,
             "intra_node_bytes": r.comm.counter.intra_node_bytes}
+
+
+ATTENTION_KERNELS = ("attn", "fmha", "flash", "sdpa", "attention")  # names of attention kernels
+MERGE_KERNELS = ("combine", "merge")
+
+
+def kernel_launches(fn: Callable[[], object], device: torch.device) -> dict[str, int]:
+    """Kernels one call of ``fn`` launches, from the profiler: ``attention`` (names with one of
+    ``ATTENTION_KERNELS``; on CPU the attention ops), ``merge`` (a fused combine kernel's),
+    ``kernels`` (all). A graph replay's kernels count as the replay's."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    names = [e.name.lower() for e in prof.events()
+             if (e.device_type.name == "CUDA") == cuda and (cuda or e.name.startswith("aten::_scaled_dot"))]
+    return {"attention": sum(any(k in n for k in ATTENTION_KERNELS) and not any(m in n for m in MERGE_KERNELS)
+                             for n in names),
+            "merge": sum(any(m in n for m in MERGE_KERNELS) for n in names), "kernels": len(names)}
 
 
 def _label(name: str) -> str:
     return LABELS.get(name, name)
 
 
+# variant -> (plan, launches, CUDA graphs): the layer as before execution plans, then as plans
+VARIANTS = {"direct": (False, "ring", False), "plan, ring launches": (True, "ring", False),
+            "plan": (True, "stage", False), "plan + CUDA graph": (True, "stage", True)}
+PER_BACKEND = {"triton": tuple(VARIANTS)}  # the other backends: the first and last two
+OTHER_VARIANTS = ("direct", "plan", "plan + CUDA graph")
+
+
+def _usp_row(w: RowWriter, r: ReplayLayer, names: list[str], where: str, quick: bool) -> float | None:
+    """xFuser's USP on the same rank (``usp_layer.py``), with the op xFuser runs there: cuDNN
+    on CUDA (flash-attn where installed), the CPU op on stand-ins. Returns its GPU ms."""
+    device = r.q.device
+    op = next((n for n in ("flash", "cudnn", "torch", "cpu") if n in names), None)
+    if op is None:
+        return None
+    try:
+        layer = usp_layer(r, op)
+        gpu, how = kernel_ms(layer, device, quick)
+        host = host_and_gpu_ms(layer, device, 3 if quick else 5)[0] if device.type == "cuda" else gpu
+        launches = kernel_launches(layer, device)
+    except Exception as exc:  # noqa: BLE001
+        w.add(f"{where}: USP (xFuser's ring on this rank), {_label(op)}", "FAIL",
+              f"{type(exc).__name__}: {exc}"[:400])
+        return None
+    w.add(f"{where}: USP (xFuser's ring on this rank)", "INFO",
+          f"GPU {gpu:.2f} ms ({how}), host {host:.2f} ms per layer; Ulysses {r.usp_ulysses} x ring "
+          f"{r.usp_ring}, {launches['attention']} attention launches ({_label(op)}) and torch's "
+          "merge; its all-to-alls as device copies", backend=op, usp=True, gpu_ms=gpu,
+          host_ms=host, gpu_how=how, launches=launches["attention"], kernels=launches["kernels"],
+          U=r.usp_ulysses, R=r.usp_ring, stand_in=device.type != "cuda")
+    return gpu
+
+
+def _variant_row(w: RowWriter, r: ReplayLayer, name: str, variant: str, where: str,
+                 usp_gpu: float | None, quick: bool) -> float | None:
+    """One row: the layer's ``variant`` on backend ``name``; returns its GPU ms."""
+    device, cuda = r.q.device, r.q.device.type == "cuda"
+    plan, launches, graphs = VARIANTS[variant]
+    waits = host = gpu = wall = graph_ms = diff = None
+    graph_how = "CPU: no CUDA graphs" if not cuda else ""
+    try:
+        with backend(name):
+            fn = r.variant(plan, launches, graphs and cuda)
+            for _ in range(3 if graphs else 1):  # compile, capture, replay
+                fn()
+            per_layer = _one_layer(r, fn)
+            counted = kernel_launches(fn, device)
+            try:
+                host, gpu = host_and_gpu_ms(fn, device, 3 if quick else 5)
+            except HostWaits as exc:  # a finding: the host cannot run ahead of the GPU
+                waits, wall = exc, call_ms(fn, device, quick)
+            if cuda and graphs:
+                graph_ms, graph_how = call_ms(fn, device, quick), "captured by the plan"
+                diff = same_output(r, r.variant(True, launches, False), fn)
+            elif cuda and not plan:
+                graph_ms, graph_how, diff = _graph_ms(fn, r, quick)
+    except Exception as exc:  # noqa: BLE001  (one backend's error costs its row only)
+        w.add(f"{where}: {_label(name)}, {variant}", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
+        return None
+    if waits is not None:
+        timing = f"{wall:.2f} ms per layer (wall); {waits}"
+        gpu = graph_ms if not graphs else None
+    elif cuda:
+        bound = "host-bound" if host > gpu else "GPU-bound"
+        timing = f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer (host / GPU {host / gpu:.2f}: {bound})"
+    else:
+        timing = f"{gpu:.2f} ms per layer (CPU stand-in: host and compute are one)"
+    if graph_ms is not None and graphs:
+        graph = (f"replayed {graph_ms:.2f} ms per layer back to back"
+                 + (f" ({graph_ms / gpu:.2f}x its GPU time)" if gpu else "") + ", its output "
+                 + ("equals" if diff <= GRAPH_TOLERANCE else "DIFFERS FROM")
+                 + f" the eager plan's (max diff {diff:.1e})")
+    elif graph_ms is not None:
+        graph = (f"the whole call captured: {graph_ms:.2f} ms, its output "
+                 + ("equals" if diff <= GRAPH_TOLERANCE else "DIFFERS FROM")
+                 + f" the eager layer's (max diff {diff:.1e})")
+    else:
+        graph = graph_how or "no CUDA graph"
+    vs_usp = (f"; {gpu / usp_gpu:.2f}x USP's GPU time" if usp_gpu and gpu else "")
+    w.add(f"{where}: {_label(name)}, {variant}",
+          "FAIL" if diff is not None and not diff <= GRAPH_TOLERANCE else "INFO",
+          f"{timing}{vs_usp}; {graph}; {counted['attention']} attention launches, "
+          f"{per_layer['attend_calls']} attend calls, {per_layer['copies']} copies for "
+          f"{(per_layer['inter_node_bytes'] + per_layer['intra_node_bytes']) / 2**20:.1f} MiB of transfers",
+          backend=name, variant=variant, plan=plan, launch_mode=launches, graphs=graphs and cuda,
+          gpu_ms=gpu, host_ms=host, host_bound=None if host is None or gpu is None else host > gpu,
+          host_waits=waits is not None, wall_ms=wall, graph_ms=graph_ms, graph=graph_how,
+          graph_diff=diff, usp_gpu_ms=usp_gpu, usp_ratio=gpu / usp_gpu if usp_gpu and gpu else None,
+          launches=counted["attention"], merge_launches=counted["merge"], kernels=counted["kernels"],
+          mesh=r.mesh.describe(), T=r.mesh.torus, U=r.mesh.ulysses_intra, R=r.mesh.ring,
+          stand_in=not cuda, **per_layer)
+    return gpu
+
+
 def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
-    """The replay stage (see the module docstring): per model, a row per backend and one for
-    the USP-equivalent single kernel."""
+    """The replay stage (see the module docstring): per model, xFuser's USP on the same rank,
+    then a row per backend and variant of our layer, then the USP-equivalent single kernel."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
     for model in models(device):
         r = build_layer(model, device, dtype)
         names = runnable(None, device, model.head_dim, dtype)
-        T, U, R = r.mesh.torus, r.mesh.ulysses_intra, r.mesh.ring
         where = f"{model.name} rank 0 of 4x8 ({r.mesh.describe()})"
+        usp_gpu = _usp_row(w, r, names, where, quick)
         layer_gpu: dict[str, float] = {}
         for name in names:
-            waits = host = gpu = None
-            try:
-                with backend(name):
-                    per_layer = _one_layer(r)
-                    try:
-                        host, gpu = host_and_gpu_ms(r, device, 3 if quick else 5)
-                    except HostWaits as exc:  # a finding: the host cannot run ahead of the GPU
-                        waits, wall = exc, call_ms(r, device, quick)
-                    graph_ms, graph_how, diff = (_graph_ms(r, quick) if cuda
-                                                 else (None, "CPU: no CUDA graphs", None))
-            except Exception as exc:  # noqa: BLE001  (one backend's error costs its row only)
-                w.add(f"{where}: {_label(name)}", "FAIL", f"{type(exc).__name__}: {exc}"[:400])
-                continue
-            if waits is not None:
-                timing = f"{wall:.2f} ms per layer (wall); {waits}"
-                gpu = graph_ms  # the GPU's time for the layer: its replay, without the host
-            elif cuda:
-                bound = ("host-bound: the host issues the layer slower than the GPU runs it"
-                         if host > gpu else "GPU-bound")
-                timing = f"GPU {gpu:.2f} ms, host {host:.2f} ms per layer: {bound}"
-            else:
-                timing = f"{gpu:.2f} ms per layer (CPU stand-in: host and compute are one)"
-            if gpu is not None:
-                layer_gpu[name] = gpu
-            graph = graph_how
-            if graph_ms is not None:
-                graph = (f"CUDA graph {graph_ms:.2f} ms, its output "
-                         + ("equals" if diff <= GRAPH_TOLERANCE else "DIFFERS FROM")
-                         + f" the eager layer's (max diff {diff:.1e})")
-            w.add(f"{where}: {_label(name)}",
-                  "FAIL" if diff is not None and not diff <= GRAPH_TOLERANCE else "INFO",
-                  f"{timing}; {graph}; "
-                  f"{per_layer['attend_calls']} attend calls, {per_layer['copies']} copies for "
-                  f"{(per_layer['inter_node_bytes'] + per_layer['intra_node_bytes']) / 2**20:.1f} MiB "
-                  "of transfers", backend=name, gpu_ms=gpu, host_ms=host,
-                  host_bound=None if host is None else host > gpu, host_waits=waits is not None,
-                  wall_ms=wall if waits is not None else None, graph_ms=graph_ms, graph=graph_how,
-                  graph_diff=diff, mesh=r.mesh.describe(), T=T, U=U, R=R, stand_in=not cuda,
-                  **per_layer)
+            for variant in PER_BACKEND.get(name, OTHER_VARIANTS if cuda else ("direct", "plan")):
+                gpu = _variant_row(w, r, name, variant, where, usp_gpu, quick)
+                if gpu is not None:
+                    key = f"{name}, {variant}"
+                    layer_gpu[key] = gpu
         single = {}
         for name in [n for n in ("cudnn", "torch", "cpu") if n in names]:
             try:
@@ -364,14 +507,15 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
                   ", ".join(f"{_label(n)} {ms:.2f} ms ({flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s)"
                             for n, ms in single.items())
                   + f" for {r.usp_heads} heads x {r.usp_queries} queries x {r.keys} keys; "
-                  f"best layer ({_label(best)}) {layer_gpu[best]:.2f} ms = "
+                  f"best layer ({best}) {layer_gpu[best]:.2f} ms = "
                   f"{layer_gpu[best] / floor:.2f}x the single kernel",
                   single_ms=single, best_layer=best, layer_gpu_ms=layer_gpu, flops=flops,
-                  ratio=layer_gpu[best] / floor, stand_in=not cuda)
+                  ratio=layer_gpu[best] / floor, usp_gpu_ms=usp_gpu, stand_in=not cuda)
         r.comm.close()
         del r
         if cuda:
             torch.cuda.empty_cache()
 
 
-__all__ = ["ReplayComm", "ReplayLayer", "build_layer", "replay", "usp_single_kernel"]
+__all__ = ["ReplayComm", "ReplayLayer", "build_layer", "kernel_launches", "replay", "usp_layer",
+           "usp_single_kernel"]

@@ -1,0 +1,216 @@
+"""Execution plans (``plan.py``, ``strategies/planned.py``) and the fused launch schedule.
+
+A strategy compiles its layer once per input signature and runs the plan afterwards: every
+later call must equal single-device attention as the first does (different inputs each call),
+in both launch modes, with text tokens, key masks and grouped-query K/V; the compile guard must
+catch work done outside a recorded step; the plan cache is bounded and counted.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import xfuser_swiftfusion as sf
+from xfuser_swiftfusion import plan
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.strategies.planned import PlanCache, graphs_requested
+from xfuser_swiftfusion.strategies.torus import TEXT, Launch, fused_schedule, torus_schedule
+from support.reference import max_abs_err, rank_rows
+
+
+# --- plan.py ------------------------------------------------------------------------------
+
+class _Handle:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_compile_records_and_run_replays_in_order():
+    log: list = []
+    x = torch.zeros(3)
+
+    def layer(a: torch.Tensor) -> None:
+        buf = torch.empty(3)  # the plan's buffer: allocated once, at compile time
+        plan.call(lambda: log.append("call") or buf.copy_(a + 1))
+        h = plan.issue(lambda: log.append("issue") or _Handle(log, "h"))
+        h.wait()
+        plan.output(lambda: buf.clone())
+
+    p = plan.compile(layer, x)
+    assert log == [] and len(p) == 3 and p.slots == 1  # nothing ran at compile time
+    x.fill_(4)
+    out = p.run()
+    assert log == ["call", "issue", ("wait", "h")]
+    assert torch.equal(out, torch.full((3,), 5.0))
+    x.fill_(6)
+    assert torch.equal(p.run(), torch.full((3,), 7.0))  # the step reads the data of the run
+
+
+def test_outside_compile_the_calls_act_at_once():
+    t = torch.zeros(2)
+    assert plan.call(lambda: t.add_(1)) is t and torch.equal(t, torch.ones(2))
+    assert plan.issue(lambda: "handle") == "handle"
+    assert plan.output(lambda: 3) == 3
+    assert plan.then(3, lambda x: x + 1) == 4
+
+
+@pytest.mark.parametrize("op", ["copy", "zeros", "clone", "reshape-copy", "item", "cat"])
+def test_the_guard_catches_work_outside_a_step(op):
+    x = torch.randn(4, 6)
+
+    def layer(a: torch.Tensor) -> None:
+        buf = torch.empty(4, 6)
+        {"copy": lambda: buf.copy_(a), "zeros": lambda: torch.zeros(3), "clone": lambda: a.clone(),
+         "reshape-copy": lambda: a.t().reshape(24), "item": lambda: a.sum().item(),
+         "cat": lambda: torch.cat([a, a])}[op]()
+
+    with pytest.raises(plan.UnrecordedOp, match="outside a recorded step"):
+        plan.compile(layer, x)
+
+
+def test_the_guard_lets_views_allocations_and_preparing_pass():
+    def layer(a: torch.Tensor) -> None:
+        a.view(2, 12)[0], a.unbind(0), a.permute(1, 0), a[:, 1:3], a.view(torch.uint8), a.expand(2, 4, 6)
+        torch.empty(5), torch.empty_like(a), a.new_empty(3)
+        with plan.preparing():
+            torch.zeros(3).add_(1)
+        plan.output(lambda: a.sum())
+
+    assert plan.compile(layer, torch.randn(4, 6)).run() is not None
+
+
+def test_compile_is_not_reentrant_and_then_composes_outputs():
+    def inner(a):
+        plan.output(lambda: a * 2)
+
+    def outer(a):
+        inner(a)
+        return plan.then(None, lambda o: o + 1)
+
+    a = torch.ones(2)
+    assert torch.equal(plan.compile(outer, a).run(), torch.full((2,), 3.0))
+    with pytest.raises(RuntimeError, match="inside a compile"):
+        plan.compile(lambda a: plan.compile(inner, a), a)
+
+
+# --- PlanCache ----------------------------------------------------------------------------
+
+def _local_layer(counter: list):
+    """A one-rank layer through the plan calls: softmax attention, text rows first."""
+    def layer(q, k, v, joint, scale, key_mask=None):
+        counter.append(tuple(q.shape))
+        out = torch.empty(q.shape, dtype=q.dtype)
+        plan.call(lambda: out.copy_(torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v))
+        return plan.output(lambda: out.clone())
+    return layer
+
+
+def test_plan_cache_compiles_once_per_signature_and_is_bounded():
+    compiles: list = []
+    cache = PlanCache(_local_layer(compiles), size=2)
+    g = torch.Generator().manual_seed(0)
+    for L in (4, 4, 6, 4, 8, 4, 6):
+        q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
+        want = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v
+        assert torch.allclose(cache(q, k, v, None, 0.5), want)
+    # 4, 6, (4 hit), 8 evicts 6, (4 hit), 6 again
+    assert [s[2] for s in compiles] == [4, 6, 8, 6]
+    assert cache.stats()["plans_compiled"] == 4 and cache.stats()["plans_cached"] == 2
+
+
+def test_cuda_graphs_option_and_environment(monkeypatch):
+    monkeypatch.delenv("SWIFTFUSION_CUDA_GRAPHS", raising=False)
+    assert graphs_requested({}) is None
+    assert graphs_requested({"cuda_graphs": False}) is False
+    monkeypatch.setenv("SWIFTFUSION_CUDA_GRAPHS", "off")
+    assert graphs_requested({}) is False and graphs_requested({"cuda_graphs": True}) is True
+    monkeypatch.setenv("SWIFTFUSION_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="on or off"):
+        graphs_requested({})
+    with pytest.raises(TypeError):
+        graphs_requested({"cuda_graphs": "on"})
+
+
+# --- the fused schedule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("text", [False, True])
+def test_fused_schedule_keeps_the_schedules_work(T, text):
+    """Every (query entry, K/V entry) pair once, each entry finalized once by its last launch,
+    the non-compute steps in torus_schedule's order; at most T + 2 (T - 1) launches."""
+    for t in range(T):
+        plain, fused = torus_schedule(T, t, text), fused_schedule(T, t, text)
+        pairs = sorted((str(q), str(s.kv)) for s in plain if s.kind == "attend" for q in s.q)
+        launched = sorted((str(q), str(kv)) for s in fused if isinstance(s, Launch) for q in s.q for kv in s.kv)
+        assert launched == pairs
+        finals = [q for s in fused if isinstance(s, Launch) and s.finalize for q in s.q]
+        assert sorted(map(str, finals)) == sorted(map(str, [*range(T), *([TEXT] if text else [])]))
+        for s in fused:
+            if isinstance(s, Launch) and s.finalize:  # nothing attends an entry after its finalize
+                later = fused[fused.index(s) + 1:]
+                assert not any(isinstance(x, Launch) and set(x.q) & set(s.q) for x in later)
+        others = lambda steps: [(s.kind, s.k, str(s.q), str(s.kv)) for s in steps  # noqa: E731
+                                if s.kind not in ("attend", "finalize", "launch")]
+        assert others(fused) == others(plain)
+        assert sum(isinstance(s, Launch) for s in fused) <= T + 2 * (T - 1)
+
+
+def test_fused_schedule_launch_counts():
+    """Flux on 4 x 8 (T = 4, text): 10 launches instead of torus_schedule's 19 attends and
+    finalizations (44 launches with a ring of 4)."""
+    assert sum(isinstance(s, Launch) for s in fused_schedule(4, 1, True)) == 10
+    assert sum(isinstance(s, Launch) for s in fused_schedule(2, 0, True)) == 4
+
+
+# --- strategies: repeated calls of one signature run the plan -----------------------------
+
+def _repeated_calls_rank(strategy: str, launches: str, cases: list[tuple]) -> list[tuple]:
+    """Three calls per case (new inputs each), each against single-device attention; the
+    context's plan counters after all of them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    with sf.init_sequence_parallel(strategy, cases[0][0], timeout_s=60,
+                                   options={"launches": launches}) as ctx:
+        for H, Hkv, Tj, masked, dtype in cases:
+            B, D, S = 2, 16, 6
+            L = S * world
+            mine = slice(rank * S, (rank + 1) * S)
+            errs = []
+            for call in range(3):
+                g = torch.Generator().manual_seed(1000 * call + 10 * Tj + Hkv)
+                q = torch.randn(B, H, L, D, generator=g).to(dtype)
+                k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+                jq = torch.randn(B, H, Tj, D, generator=g).to(dtype)
+                jk, jv = (torch.randn(B, Hkv, Tj, D, generator=g).to(dtype) for _ in range(2))
+                mask = (torch.rand(B, L, generator=g) > 0.3) if masked else None
+                kw = dict(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy="rear") if Tj else {}
+                if masked:
+                    kw["key_mask"] = mask
+                out = ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **kw)
+                ref = rank_rows(q, k, v, rank, world, (jq, jk, jv) if Tj else None, "rear", key_mask=mask)
+                errs.append(max_abs_err(out, ref))
+            rows.append((H, Hkv, Tj, masked, str(dtype), errs))
+        stats = ctx.stats()
+    return [(strategy, launches, rows, stats["plans_compiled"], stats["strategy"])]
+
+
+CASES = [(4, 4, 0, False, torch.float32), (4, 2, 5, True, torch.float32), (4, 4, 3, False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("topo", ["2x4", "4x2"])
+@pytest.mark.parametrize("launches", ["stage", "ring"])
+def test_repeated_calls_equal_single_device_attention(topo, launches):
+    """2x4: T2 U2 R2; 4x2: T4 U1 R2 (4 heads): the ring gathers of the fused launches and the
+    ring steps of the other mode, every later call running the first call's plan."""
+    for strategy in ("torus", "swiftfusion"):
+        for rank_rows_ in run_emulated(_repeated_calls_rank, topo, strategy, launches, CASES, timeout_s=300):
+            for name, mode, rows, compiled, ran in rank_rows_:
+                assert ran == name
+                assert compiled == len(CASES), (name, mode, compiled)
+                for H, Hkv, Tj, masked, dtype, errs in rows:
+                    tol = 2e-2 if "bfloat16" in dtype else 1e-5
+                    assert max(errs) <= tol, (topo, name, mode, H, Hkv, Tj, masked, dtype, errs)
