@@ -214,3 +214,118 @@ def test_repeated_calls_equal_single_device_attention(topo, launches):
                 for H, Hkv, Tj, masked, dtype, errs in rows:
                     tol = 2e-2 if "bfloat16" in dtype else 1e-5
                     assert max(errs) <= tol, (topo, name, mode, H, Hkv, Tj, masked, dtype, errs)
+
+
+# --- CUDA graphs of plans (the orchestration, on a fake CUDA graph) ------------------------
+
+class _FakeCuda:
+    """``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` as capture behaves: work issued while
+    capturing is recorded into the graph, not run; ``replay`` runs it."""
+
+    def __init__(self, monkeypatch, fail: bool = False) -> None:
+        import contextlib
+        self.capturing, self.graph, self.fail = False, None, fail
+        fake = self
+
+        class Graph:
+            def __init__(self) -> None:
+                self.nodes: list = []
+
+            def replay(self) -> None:
+                for node in self.nodes:
+                    node()
+
+        @contextlib.contextmanager
+        def graph(g, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"  # the watchdogs keep querying meanwhile
+            fake.capturing, fake.graph = True, g
+            try:
+                yield
+            finally:
+                fake.capturing = False
+
+        class Event:
+            def record(self, stream=None) -> None:
+                pass
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(PlanCache, "_graphs_on", lambda self, device: True)
+
+    def work(self, fn):
+        """A step's work as a GPU kernel: recorded while capturing, run otherwise."""
+        def issue():
+            if self.capturing:
+                if self.fail:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                self.graph.nodes.append(fn)
+            else:
+                fn()
+        return issue
+
+
+class _Comm:
+    """What a plan cache asks of a communicator around graphs."""
+
+    def __init__(self) -> None:
+        import contextlib
+        from xfuser_swiftfusion.comm.base import ByteCounter
+        self.counter = ByteCounter([0, 1], 0)
+        self.watched, self.captures = [], 0
+        comm = self
+
+        @contextlib.contextmanager
+        def capturing():
+            comm.captures += 1
+            yield
+        self.capturing = capturing
+
+    def watch(self, event, what) -> None:
+        self.watched.append(what)
+
+
+def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog):
+    cuda, comm = _FakeCuda(monkeypatch), _Comm()
+    python_steps = []
+
+    def layer(q, k, v, joint, scale, key_mask=None):
+        out = torch.empty(q.shape)
+
+        def step():
+            python_steps.append(cuda.capturing)
+            comm.counter.count(1, 8)  # a transfer issued by the step's Python
+        plan.call(step)
+        plan.call(cuda.work(lambda: out.copy_(q * 2)))
+        return plan.output(lambda: out.clone())
+
+    cache = PlanCache(layer, comms=[comm], name="test layer")
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for _ in range(4):
+        q = torch.randn(1, 2, 3, 4, generator=g)
+        outs.append((cache(q, q, q, None, 1.0), q))
+    assert all(torch.equal(o, 2 * q) for o, q in outs)  # the replays read each call's inputs
+    assert python_steps == [False, True]  # eager warm-up, capture; the replays run no Python
+    assert comm.captures == 1 and comm.watched == ["test layer: CUDA graph replay"] * 3
+    assert comm.counter.inter_node_bytes == 8 * 4  # replays count what their capture issued
+    assert cache.stats()["graphs_captured"] == 1
+
+
+def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, caplog):
+    cuda = _FakeCuda(monkeypatch, fail=True)
+
+    def layer(q, k, v, joint, scale, key_mask=None):
+        out = torch.empty(q.shape)
+        plan.call(cuda.work(lambda: out.copy_(q + 1)))
+        return plan.output(lambda: out.clone())
+
+    cache = PlanCache(layer, name="failing layer")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            q = torch.randn(2, 3)
+            assert torch.equal(cache(q, q, q, None, 1.0), q + 1)
+    said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(said) == 1 and "operation not permitted" in said[0] and "runs eagerly" in said[0]
+    assert cache.stats()["graphs_captured"] == 0

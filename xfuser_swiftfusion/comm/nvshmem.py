@@ -28,9 +28,10 @@ at issue. With a peer on my machine each run is ``nvshmemx_{put,get}mem_on_strea
 in stream order, no quiet); with a peer on another machine every run is ``..._nbi_on_stream``
 and one ``nvshmemx_quiet_on_stream`` completes the transfer (NVSHMEM's quiet is per PE, so a
 quiet placed later would also wait for transfers issued after this one). A non-contiguous local
-side (only allowed within a machine) is staged through a contiguous temporary on the same
-stream. A handle is a CUDA event on that stream: ``wait`` makes the caller's current stream wait
-on it and returns without blocking the host.
+side (only allowed within a machine) is staged through a contiguous buffer on the same stream. A
+handle is a CUDA event on that stream: ``wait`` makes the caller's current stream wait on it and
+returns without blocking the host. ``prepare`` resolves all of that once (runs, stream, staging
+buffer); the issue it returns is what an execution plan's step calls.
 
 Barriers run on their own stream after the caller's current stream and every pool stream used
 since the previous barrier (so they quiet first); ``sync`` runs after the current stream only.
@@ -39,7 +40,12 @@ each under a name of its own in nvshmem4py's team registry and destroyed by that
 (``team_destroy(handle)`` unregisters the first registry entry with that value, which can be a
 predefined one: ``TEAM_MC_SHARED`` is 6, the first split's handle on one GPU).
 
-Timeouts: one watchdog thread per communicator queries the events of transfers and barriers;
+CUDA graphs: while a plan is captured (``capturing()``) transfers and barriers are issued as
+usual but nothing is watched (a captured event cannot be queried) and every pool stream a
+barrier quiets is also joined into the capturing stream directly; after a replay the plan has
+one event behind it watched (``watch``).
+
+Timeouts: one watchdog thread per communicator (``watchdog.py``) queries the events of transfers and barriers;
 one not complete ``timeout_s`` after it was issued fails the communicator: the next call into it
 raises ``CommTimeout`` naming rank, peer and stage (into another communicator of the process:
 ``PeerFailure``). NVSHMEM kernels cannot be cancelled, so a failed process cannot use NVSHMEM
@@ -501,9 +507,9 @@ class NvshmemCommunicator(OneSided):
                     local.copy_(staged)
                 event = torch.cuda.Event()
                 event.record(stream)
-            _record_stream(local, stream)
             self.counter.count(peer, nbytes)
-            if not self._capturing:
+            if not self._capturing:  # (a captured plan's tensors outlive its replays)
+                _record_stream(local, stream)
                 self._watchdog.watch(event.query, doing, what)
             return _EventHandle(self, event)
 
@@ -532,9 +538,10 @@ class NvshmemCommunicator(OneSided):
         def barrier() -> None:
             self._check()
             self.counter.barriers += 1
-            caller = self._current_stream()
+            caller, joined = self._current_stream(), ()
             if quiet:
-                for s in self._used.values():
+                joined = tuple(self._used.values())
+                for s in joined:
                     stream.wait_stream(s)
                 self._used.clear()
                 stream.wait_stream(caller)
@@ -550,7 +557,10 @@ class NvshmemCommunicator(OneSided):
                 raise RuntimeError(f"rank {self.rank}: {what!r}: {doing} failed with NVSHMEM "
                                    f"status {status}")
             caller.wait_event(event)
-            if not self._capturing:
+            if self._capturing:  # a CUDA graph joins every forked stream into the capturing one
+                for s in joined:
+                    caller.wait_stream(s)
+            else:
                 self._watchdog.watch(event.query, doing, what)
 
         return barrier

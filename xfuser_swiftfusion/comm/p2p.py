@@ -94,11 +94,13 @@ def queue_groups() -> dict[str, Any]:
 class _WorkHandle(Handle):
     """Pending works of one batch; on completion, copy staged receives into their targets."""
 
-    __slots__ = ("_comm", "_works", "_unstage", "_peers", "_what")
+    __slots__ = ("_comm", "_works", "_unstage", "_peers", "_what", "_stream")
 
     def __init__(self, comm: "P2PCommunicator", works: list[Any],
-                 unstage: list[tuple[torch.Tensor, torch.Tensor]], peers: list[int], what: str) -> None:
+                 unstage: list[tuple[torch.Tensor, torch.Tensor]], peers: list[int], what: str,
+                 stream: Any = None) -> None:
         self._comm, self._works, self._unstage, self._peers, self._what = comm, works, unstage, peers, what
+        self._stream = stream  # the side stream it was issued on (CUDA)
 
     def wait(self) -> None:
         c = self._comm
@@ -106,6 +108,8 @@ class _WorkHandle(Handle):
         if c._watchdog is not None:  # CUDA: order the current stream, never block the host
             for work in self._works:
                 work.wait()
+            if c._capturing and self._stream is not None:  # a CUDA graph joins every forked stream
+                torch.cuda.current_stream().wait_stream(self._stream)
         else:
             deadline = time.monotonic() + c.timeout_s
             for work in self._works:
@@ -236,7 +240,7 @@ class P2PCommunicator(TwoSided):
             if self._watchdog is not None and not self._capturing:
                 for work in works:
                     self._watchdog.watch(work.is_completed, doing, what)
-            return _WorkHandle(self, works, unstage, peers, what)
+            return _WorkHandle(self, works, unstage, peers, what, self._streams.get(queue))
 
         return post
 

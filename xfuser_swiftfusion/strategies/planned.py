@@ -79,7 +79,8 @@ def _empty(x: torch.Tensor | None) -> torch.Tensor | None:
 @dataclass
 class _Entry:
     """A compiled plan and its input buffers (``inputs[i]`` receives ``args[i]`` at each run);
-    ``graph``: its CUDA graph once captured; ``capture``: capture at the next run."""
+    ``graph``: its CUDA graph once captured; ``capture``: capture at the next run after the
+    first."""
 
     plan: plan.Plan
     inputs: list[torch.Tensor]
@@ -117,7 +118,7 @@ class PlanCache:
         for buf, x in zip(entry.inputs, args):
             buf.copy_(x)
         entry.runs += 1
-        if entry.capture:
+        if entry.capture and entry.runs > 1:  # the first run was the warm-up
             entry.capture = False
             before = self._counters()
             entry.graph = self._capture(entry)  # counts one run's transfers, as the replay below
