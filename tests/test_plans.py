@@ -329,3 +329,59 @@ def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, c
     said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(said) == 1 and "operation not permitted" in said[0] and "runs eagerly" in said[0]
     assert cache.stats()["graphs_captured"] == 0
+
+
+# --- the fused launches' operations: formulas, programs and counted calls agree ------------
+
+def expected_stage(strategy: str, T: int, U: int, R: int) -> dict:
+    """Per call with ``launches="stage"``: 3T - 2 launches (T Pull-Q, T - 2 Pull-KV, T in the
+    last stage), each of the T blocks gathered once over a ring of R (one-sided: R - 1 gets;
+    two-sided: one exchange of K and V with each of R - 1 peers)."""
+    launches = 3 * T - 2
+    if strategy == "torus":
+        return {"transfers": 4 * (U - 1) + 4 * U * (T - 1) + 2 * T * (R - 1),
+                "attend_calls": launches, "barriers": 0,
+                "grouped_exchanges": 4 * (U > 1) + 4 * (T - 1) + T * (R > 1)}
+    return {"transfers": 4 * (U - 1) + 3 * U * (T - 1) + T * (R - 1), "attend_calls": launches,
+            "grouped_exchanges": 0, "barriers": 2 + (T - 1) * (R > 1)}
+
+
+STAGE_CASES = {("2x4", 4): (2, 2, 2), ("4x2", 4): (4, 1, 2), ("2x2", 4): (2, 2, 1)}
+OPS = ("transfers", "grouped_exchanges", "barriers", "attend_calls")
+
+
+def _stage_counts(heads: int) -> dict:
+    x = torch.randn(1, heads, 8, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+    for s in ("torus", "swiftfusion"):
+        with sf.init_sequence_parallel(s, heads, timeout_s=60, options={"launches": "stage"}) as ctx:
+            ctx.attention(x, x, x)
+            ctx.reset_stats()
+            for _ in range(2):
+                ctx.attention(x, x, x)
+            st, m = ctx.stats(), ctx.mesh
+            out[s] = ({k: st[k] / 2 for k in (*OPS, "inter_node_bytes", "intra_node_bytes")},
+                      (m.torus, m.ulysses_intra, m.ring))
+    return out
+
+
+@pytest.mark.parametrize("topology,heads", list(STAGE_CASES))
+def test_fused_launch_operations_follow_the_formulas_and_the_programs(topology, heads):
+    from xfuser_swiftfusion.mesh import choose_mesh
+    from xfuser_swiftfusion.strategies.ops import Shape, counts, sent_bytes
+    from xfuser_swiftfusion.strategies.registry import get
+    from xfuser_swiftfusion.topology import Topology
+    t = Topology.parse(topology)
+    for rank, per in enumerate(run_emulated(_stage_counts, topology, heads, timeout_s=240)):
+        for s, (stats, tur) in per.items():
+            assert tur == STAGE_CASES[(topology, heads)]
+            want = expected_stage(s, *tur)
+            assert {k: stats[k] for k in OPS} == want, (topology, s, rank, stats)
+            spec = get(s)
+            mesh = choose_mesh(t, heads, spec.placement)
+            ops = spec.program(mesh, rank, Shape(1, 8, heads, 8, 0, 4), launches="stage")
+            assert counts(ops) == want, (topology, s, rank)
+            node = t.node_of
+            inter = sent_bytes(ops, {p for p in range(t.world_size) if node(p) != node(rank)})
+            assert inter == stats["inter_node_bytes"] and sent_bytes(ops) == (
+                stats["inter_node_bytes"] + stats["intra_node_bytes"]), (topology, s, rank)
