@@ -94,6 +94,18 @@ def test_flag_registered_in_xfuser_args(capsys):
     assert _parse(["--model", ckpt]).sp_strategy is None
 
 
+def test_cuda_graph_and_launch_flags_become_strategy_options():
+    from xfuser_swiftfusion.integrations.xfuser.args import strategy_options
+    ckpt = tiny_checkpoint("flux")
+    ns = _parse(["--model", ckpt, "--sp-strategy", "swiftfusion", "--topology", "2x2",
+                 "--sf-cuda-graphs", "off", "--sf-launches", "ring"])
+    args = xFuserArgs.from_runner_args(vars(ns))
+    assert strategy_options(args) == {"cuda_graphs": False, "launches": "ring"}
+    ns = _parse(["--model", ckpt, "--sp-strategy", "torus", "--topology", "2x2", "--sf_cuda_graphs", "on"])
+    assert strategy_options(ns) == {"cuda_graphs": True}
+    assert strategy_options(_parse(["--model", ckpt, "--sp-strategy", "tas", "--topology", "2x2"])) == {}
+
+
 @pytest.mark.parametrize("argv, world, message", [
     (["--sp-strategy", "bogus"], "4", "invalid choice: 'bogus'"),
     (["--sp-strategy", "tas", "--topology", "2x2", "--ulysses_degree", "3"], "4",
