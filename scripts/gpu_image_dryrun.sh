@@ -123,7 +123,8 @@ for r in rows:
 print("  only a GPU exercises too: the GPU timing paths (do_bench, do_bench_cudagraph, the sleep-kernel\n"
       "  host/GPU split, CUDA-graph capture of the replayed layer), the triton kernel compiled, the cudnn,\n"
       "  torch-flash and flash-attn kernels, NVSHMEM (smoke test, nvshmem stage; here the smoke test fails\n"
-      "  and nvshmem4py is removed, which is that path's check), xFuser's runner compiled for CUDA graphs,\n"
+      "  and nvshmem4py is removed, which is that path's check; pe-strategy's PEs sharing the GPU run here\n"
+      "  on the shm heap), xFuser's runner compiled for CUDA graphs,\n"
       "  compute-sanitizer, Nsight Compute, MPS, torchrun over several GPUs")
 EOF
 

@@ -216,7 +216,7 @@ def env(monkeypatch):
     def gather(obj, world_size):
         rows = [obj]
         for r in range(1, world_size):
-            rows.append(e.peers[r - 1] if e.peers else (obj[0], f"GPU-peer-{r}", r, None))
+            rows.append(e.peers[r - 1] if e.peers else (obj[0], f"GPU-peer-{r}", r, None, obj[4]))
         return rows
 
     monkeypatch.setattr(nv, "_all_gather_object", gather, raising=False)
@@ -440,16 +440,29 @@ def test_one_visible_gpu_is_local_ranks_gpu():
 
 
 def test_two_ranks_on_one_gpu_are_refused(env):
-    env.peers = [("host", "GPU-0", 0, None)]  # rank 1 reports the GPU rank 0 uses
+    env.peers = [("host", "GPU-0", 0, None, False)]  # rank 1 reports the GPU rank 0 uses
     with pytest.raises(RuntimeError, match=r"ranks 0 and 1 share one GPU"):
         make(world=2)
     assert "init" not in env.names()
-    env.peers = [("host", "GPU-7", 0, None)]  # same index, another GPU (per-rank visibility)
+    env.peers = [("host", "GPU-7", 0, None, False)]  # same index, another GPU (per-rank visibility)
     make(world=2).close()
 
 
+def test_ranks_share_a_gpu_only_in_the_test_configuration(env, monkeypatch):
+    """The GPU suite's pe-strategy stage: every rank sets the opt-in, NVSHMEM initialises."""
+    monkeypatch.setenv(nv.SHARED_GPU_TEST_ENV, "1")
+    env.peers = [("host", "GPU-0", 0, None, False)]  # rank 1 did not set it: refused
+    with pytest.raises(RuntimeError, match=r"on ranks \[0\] but not on the others"):
+        make(world=2)
+    assert "init" not in env.names()
+    env.peers = [("host", "GPU-0", 0, None, True)]
+    make(world=2).close()
+    assert env.args("init")[0][0]["nranks"] == 2
+
+
 def test_a_device_error_on_another_rank_fails_every_rank(env):
-    env.peers = [("host", "GPU-1", 0, "rank 1: the current CUDA device is cuda:0 but LOCAL_RANK=1")]
+    env.peers = [("host", "GPU-1", 0, "rank 1: the current CUDA device is cuda:0 but LOCAL_RANK=1",
+                  False)]
     with pytest.raises(RuntimeError, match="rank 1: the current CUDA device is cuda:0"):
         make(world=2)
     assert "init" not in env.names()

@@ -5,7 +5,8 @@ once, at exit: the first communicator initialises it (collective: every rank's `
 uuid, device)`` is gathered to refuse two ranks on one GPU, then rank 0's
 ``nvshmem.core.get_unique_id()``, 128 bytes, is broadcast over torch.distributed and every rank
 calls ``nvshmem.core.init(device=, uid=, rank=, nranks=, initializer_method="uid")``; PE ids
-equal global ranks); later communicators, also after every earlier one closed, use it as it is
+equal global ranks; ranks share a GPU only in the GPU suite's test configuration,
+``SHARED_GPU_TEST_ENV``); later communicators, also after every earlier one closed, use it as it is
 (same rank, world and GPU, or an error: NVSHMEM documents nested init, not init after
 finalize). An ``atexit`` handler finalizes it (collective; bounded by ``FINALIZE_TIMEOUT_S``,
 then the process ends) unless a failure was recorded. ``finalize`` frees every NVSHMEM buffer
@@ -85,7 +86,7 @@ import torch.distributed as dist
 
 from .base import QUEUES, CommTimeout, Handle, OneSided, PeerFailure, SymmetricBuffers
 from .watchdog import Watchdog, abort_process
-from ..log import get_logger
+from ..log import get_logger, log_once
 
 log = get_logger("xfuser_swiftfusion.comm")
 
@@ -194,30 +195,48 @@ def choose_device(rank: int, local_rank: str | None, current: int, count: int,
     return want, None
 
 
-def device_row(index: int, error: str | None) -> tuple[str, str, int, str | None]:
-    """What a rank contributes to the device check: ``(host, GPU uuid, index, error)``."""
+SHARED_GPU_TEST_ENV = "SWIFTFUSION_TEST_ONLY_PES_SHARE_GPU"
+"""``=1`` on every rank: let several ranks (PEs) share one GPU. A test configuration of the GPU
+suite's ``pe-strategy`` stage (several PEs on the one GPU of a lent machine), never a user
+setting: NVSHMEM then runs in its limited multi-process-per-GPU mode unless under CUDA MPS."""
+
+
+def device_row(index: int, error: str | None) -> tuple[str, str, int, str | None, bool]:
+    """What a rank contributes to the device check: ``(host, GPU uuid, index, error, whether
+    $SWIFTFUSION_TEST_ONLY_PES_SHARE_GPU=1 here)``."""
     uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
-    return socket.gethostname(), uuid, index, error
+    return socket.gethostname(), uuid, index, error, os.environ.get(SHARED_GPU_TEST_ENV) == "1"
 
 
-def check_device_rows(rows: Sequence[tuple[str, str, int, str | None]]) -> None:
+def check_device_rows(rows: Sequence[tuple[str, str, int, str | None, bool]]) -> None:
     """Raise (on every rank alike) if a rank reported an error or two ranks share one GPU:
     several PEs per GPU put NVSHMEM in a limited mode where team barriers on a stream are
-    unsupported."""
+    unsupported. Sharing is let through, logged once, only where every rank set
+    ``SHARED_GPU_TEST_ENV`` (the test configuration); set on some ranks only, it is an error."""
     errors = [row[3] for row in rows if row[3]]
     if errors:
         raise RuntimeError("NVSHMEM device check failed: " + "; ".join(errors))
+    opted = [r for r, row in enumerate(rows) if row[4]]
+    if opted and len(opted) != len(rows):
+        raise RuntimeError(f"{SHARED_GPU_TEST_ENV}=1 on ranks {opted} but not on the others: it is "
+                           "a test configuration (PEs sharing one GPU) that every rank must set, or none")
     seen: dict[tuple[str, ...], int] = {}
-    for r, (host, uuid, index, _) in enumerate(rows):
+    for r, (host, uuid, index, _, share) in enumerate(rows):
         key = ("uuid", uuid) if uuid else ("host", host, str(index))
-        if key in seen:
+        if key in seen and share:
+            log_once(log, "nvshmem-shared-gpu-test",
+                     f"{SHARED_GPU_TEST_ENV}=1: ranks {seen[key]} and {r} share cuda:{index} on "
+                     f"{host}: several NVSHMEM PEs on one GPU, a test configuration (without CUDA "
+                     "MPS NVSHMEM runs them in its limited mode); never set it for real runs")
+        elif key in seen:
             o = seen[key]
             raise RuntimeError(
                 f"ranks {o} and {r} share one GPU (rank {o}: cuda:{rows[o][2]} on {rows[o][0]}, "
                 f"rank {r}: cuda:{index} on {host}{', uuid ' + uuid if uuid else ''}): NVSHMEM "
                 "needs one GPU per rank (several PEs on one GPU have no team barriers on a "
                 "stream); set each rank's device from LOCAL_RANK (torch.cuda.set_device)")
-        seen[key] = r
+        else:
+            seen[key] = r
 
 
 def _all_gather_object(obj: Any, world_size: int) -> list[Any]:

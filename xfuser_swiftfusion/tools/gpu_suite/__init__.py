@@ -18,6 +18,10 @@ speed                 every backend (triton, cudnn, torch flash, flash-attn) on 
 replay                rank 0's whole swiftfusion layer of those models on this GPU, remote
                       transfers as device copies: GPU vs host time per layer per backend,
                       CUDA-graph replay, xFuser's USP-equivalent single kernel
+pe-strategy           swiftfusion across 2 and 4 NVSHMEM PEs sharing this GPU (topologies 2x1,
+                      4x1; plain, else under a private MPS daemon) vs single-device attention,
+                      the model's inter-machine bytes, no fallback; a PE killed mid-layer
+                      (``pe_strategy.py``)
 nvshmem               the nvshmem communicator: init from the process group, put/get of
                       slices, barriers, team calls, close, a second communicator on the same
                       instance, a timeout that returns
@@ -42,8 +46,10 @@ temporary folder, removed at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,14 +57,16 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from typing import Callable, Iterator, Sequence
 
 from .report import RowWriter, format_table, read_rows, summary
 
 # most telling per second first: under a tight --budget the probe and the slow tools go
-STAGES = ("env", "numerics", "speed", "replay", "nvshmem", "strategies", "compile", "sanitizer",
-          "ncu", "pe-probe")
-TIMEOUT_S = {"env": 60, "numerics": 180, "speed": 180, "replay": 180, "nvshmem": 90,
-             "strategies": 240, "compile": 300, "sanitizer": 300, "ncu": 150, "pe-probe": 150}
+STAGES = ("env", "numerics", "speed", "replay", "pe-strategy", "nvshmem", "strategies", "compile",
+          "sanitizer", "ncu", "pe-probe")
+TIMEOUT_S = {"env": 60, "numerics": 180, "speed": 180, "replay": 180, "pe-strategy": 150,
+             "nvshmem": 90, "strategies": 240, "compile": 300, "sanitizer": 300, "ncu": 150,
+             "pe-probe": 150}
 MIN_STAGE_S = 20  # a stage with less budget left than this is skipped
 CUDA_ONLY = ("nvshmem", "pe-probe", "sanitizer", "ncu")
 FILES = ("gpu-suite.md", "gpu-suite.json", "rows.jsonl", "gpu-suite.log", "ncu.csv", "kernel-table.json")
@@ -140,6 +148,9 @@ class Suite:
             self.run(name, torchrun + _module(name, self.rows_path, self.quick)[1:], TIMEOUT_S[name])
         elif name == "pe-probe":
             self.pe_probe()
+        elif name == "pe-strategy":
+            from .pe_strategy import stage
+            stage(self, TIMEOUT_S[name])
         elif name == "sanitizer":
             self.sanitizer()
         elif name == "ncu":
@@ -150,65 +161,111 @@ class Suite:
     def pe_probe(self, world: int = 2) -> None:
         """Two raw NVSHMEM PEs on one GPU, then the same under a private MPS daemon; every wait
         (the PEs, the daemon's start and stop) within what is left of the budget."""
-        from .symmetric import mps_available, mps_env
         self._probe("2 PEs on one GPU", world, self.env)
+        with self.mps("pe-probe", "2 PEs on one GPU under MPS") as env:
+            if env is not None:
+                self._probe("2 PEs on one GPU under MPS", world, env)
+
+    @contextlib.contextmanager
+    def mps(self, stage: str, case: str) -> Iterator[dict | None]:
+        """A private CUDA MPS daemon (its pipe and log folders in the scratch folder; the GPU's
+        compute mode is never changed) for the body: yields the environment of its clients, or
+        None where it cannot run (a ``case`` SKIP row or an ``MPS daemon`` INFO row says why);
+        stopped afterwards. Its start and stop wait within what is left of the budget."""
+        from .symmetric import mps_available, mps_env
         control = mps_available()
         if control is None:
-            self.add("pe-probe", "2 PEs on one GPU under MPS", "SKIP",
-                     "nvidia-cuda-mps-control not found")
+            self.add(stage, case, "SKIP", "nvidia-cuda-mps-control not found")
+            yield None
             return
         if self.left() < MIN_STAGE_S:
-            self.add("pe-probe", "2 PEs on one GPU under MPS", "SKIP",
-                     f"budget: {max(0.0, self.left()):.0f} s left")
+            self.add(stage, case, "SKIP", f"budget: {max(0.0, self.left()):.0f} s left")
+            yield None
             return
-        root = os.path.join(self.scratch, "mps")
-        env = dict(self.env, **mps_env(root))
-        for d in mps_env(root).values():
+        dirs = mps_env(os.path.join(self.scratch, f"mps-{stage}"))
+        env = dict(self.env, **dirs)
+        for d in dirs.values():
             os.makedirs(d, exist_ok=True)
         try:
             started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True,
                                      timeout=max(1.0, min(30.0, self.left())))
         except subprocess.TimeoutExpired:
-            self.add("pe-probe", "MPS daemon", "INFO", "did not start within the time left")
-            self._stop_mps(control, env)
+            self.add(stage, "MPS daemon", "INFO", "did not start within the time left")
+            self._stop_mps(stage, control, env)
+            yield None
             return
         if started.returncode:
-            self.add("pe-probe", "MPS daemon", "INFO", f"did not start: {started.stderr.strip()[:200]}")
+            self.add(stage, "MPS daemon", "INFO", f"did not start: {started.stderr.strip()[:200]}")
+            yield None
             return
         try:
-            self._probe("2 PEs on one GPU under MPS", world, env)
+            yield env
         finally:
-            self._stop_mps(control, env)
+            self._stop_mps(stage, control, env)
 
-    def _stop_mps(self, control: str, env: dict) -> None:
+    def _stop_mps(self, stage: str, control: str, env: dict) -> None:
         timeout_s = max(1.0, min(10.0, self.left()))
         try:
             subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True,
                            timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.add("pe-probe", "MPS daemon", "INFO", f"did not answer 'quit' within {timeout_s:.0f} s")
+            self.add(stage, "MPS daemon", "INFO", f"did not answer 'quit' within {timeout_s:.0f} s")
 
     def _probe(self, label: str, world: int, env: dict) -> None:
+        timeout_s = max(1.0, min(60.0, self.left()))
+        for r, (rc, _) in enumerate(self.pes("pe-probe", label, world, env, timeout_s=timeout_s)):
+            if rc is None:
+                self.add("pe-probe", f"{label} (rank {r})", "INFO",
+                         f"no answer within {timeout_s:.0f} s (killed)")
+
+    def pe_command(self, stage: str, rank: int, world: int, port: int, label: str,
+                   args: Sequence[str] = ()) -> list[str]:
+        """The command of one PE process of ``stage``."""
+        return _module(stage, self.rows_path, False, "--rank", str(rank), "--world", str(world),
+                       "--port", str(port), "--label", label, *args)
+
+    def pes(self, stage: str, label: str, world: int, env: dict, args: Sequence[str] = (),
+            timeout_s: float = 60.0, give_up: Callable[[], bool] | None = None,
+            grace_s: float = 10.0) -> list[tuple[int | None, str]]:
+        """Run ``world`` PE processes of ``stage`` (``pe_command``; a gloo store on a free port)
+        for at most ``timeout_s`` and the budget; once ``give_up()`` is true (polled), the PEs
+        still running get ``grace_s`` more. PEs still running then are stopped (SIGKILL). Under
+        MPS (``env`` names its pipes) every PE gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` =
+        100 / ``world`` (summing to at most 100: NVSHMEM's full multi-process-per-GPU mode).
+        Every PE's output goes to the log. Returns per rank (exit status, or None where it was
+        stopped, and its output)."""
         from ...emulation.launcher import free_port
         port = free_port()
-        timeout_s = max(1.0, min(60.0, self.left()))
-        with open(self.log_path, "a") as log:
-            log.write(f"\n===== pe-probe {label}\n")
-            log.flush()
-            procs = [subprocess.Popen(_module("pe-probe", self.rows_path, False, "--rank", str(r),
-                                              "--world", str(world), "--port", str(port),
-                                              "--label", label),
-                                      env=env, stdout=log, stderr=subprocess.STDOUT)
-                     for r in range(world)]
-            deadline = time.monotonic() + timeout_s
-            for r, p in enumerate(procs):
-                try:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                    self.add("pe-probe", f"{label} (rank {r})", "INFO",
-                             f"no answer within {timeout_s:.0f} s (killed)")
+        if "CUDA_MPS_PIPE_DIRECTORY" in env:
+            env = dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // world))
+        name = re.sub(r"[^\w.-]+", "-", f"{stage}-{label}-{world}{''.join(args)}")
+        paths = [os.path.join(self.scratch, f"{name}-r{r}.log") for r in range(world)]
+        procs = []
+        for r, path in enumerate(paths):
+            with open(path, "w") as out:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(self.pe_command(stage, r, world, port, label, args),
+                                              env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        start = time.monotonic()
+        deadline = stop_at = start + max(0.0, min(timeout_s, self.left()))
+        while any(p.poll() is None for p in procs) and time.monotonic() < stop_at:
+            if give_up is not None and stop_at == deadline and give_up():
+                stop_at = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.1)
+        stopped = [p.poll() is None for p in procs]
+        for p, stop in zip(procs, stopped):
+            if stop:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        results = []
+        for r, (p, path, stop) in enumerate(zip(procs, paths, stopped)):
+            with open(path) as f:
+                output = f.read()
+            rc = None if stop else p.returncode
+            self._log(f"\n===== {stage} {label} {world} PEs (rank {r}): {' '.join(p.args)}\n{output}\n"
+                      f"===== exit {rc}, {time.monotonic() - start:.1f} s\n")
+            results.append((rc, output))
+        return results
 
     def _sm(self) -> int:
         """The GPU's SM version from the env stage's row (0 when unknown)."""

@@ -13,7 +13,7 @@ import torch
 from .report import RowWriter
 
 IN_PROCESS = ("env", "numerics", "launches", "one-launch", "speed", "replay", "strategies",
-              "nvshmem", "nvshmem-smoke", "compile", "pe-probe")
+              "nvshmem", "nvshmem-smoke", "compile", "pe-probe", "pe-strategy")
 
 
 def _device() -> torch.device:
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--label", default="", help="pe-probe: the case name")
+    p.add_argument("--label", default="", help="pe-probe: the case name; pe-strategy: plain or MPS")
+    p.add_argument("--fault", action="store_true", help="pe-strategy: the run where a PE is killed")
     args = p.parse_args(argv)
     w = RowWriter(args.rows, args.stage)
     from . import kernel, paths, symmetric
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             w.add(f"{args.label} (rank {args.rank})", "INFO",
                   f"refused: {type(exc).__name__}: {exc}"[:400])
         return 0
+    if args.stage == "pe-strategy":  # one PE of a world on one GPU (or a CPU stand-in)
+        from . import pe_strategy
+        return pe_strategy.pe(w, args.rank, args.world, args.port, args.label, args.fault)
     if args.stage in ("strategies", "nvshmem", "nvshmem-smoke", "compile"):
         paths.single_process_env()
     device = _device()
