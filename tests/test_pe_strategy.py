@@ -44,7 +44,7 @@ def test_every_case_passes_on_the_cpu_heap(tmp_path, topology):
     rows = str(tmp_path / "rows.jsonl")
     assert run_emulated(_cases, topology, rows, timeout_s=120) == [True] * int(topology[0])
     got = read_rows(rows)
-    assert len(got) == len(pe_strategy.cases(2)) * len(pe_strategy.MODES), got
+    assert len(got) == pe_strategy.expected_passes(2), got
     assert all(r.result == "PASS" and r.data["stand_in"] for r in got), got
     assert all(len(set(r.data["bytes"])) == 1 and r.data["bytes"][0] > 0 for r in got)
 
@@ -86,7 +86,7 @@ def test_the_whole_stage_on_the_cpu_heap(tmp_path):
     rc = run_suite(str(tmp_path), (STAGE,), quick=True, budget_s=300, allow_cpu=True)
     rows = _rows(tmp_path / "rows.jsonl")
     assert rc == 0 and not [r for r in rows if r.result == "FAIL"], rows
-    n = len(pe_strategy.cases(2)) * len(pe_strategy.MODES)
+    n = pe_strategy.expected_passes(2)
     assert len([r for r in rows if r.result == "PASS" and "err" in r.data]) == 2 * n
     fault = [(r.case, r.result) for r in rows if r.data.get("fault")]
     assert sorted(fault) == sorted([(f"4x1 PE 3 SIGKILLed mid-layer (rank {r})", "PASS") for r in range(3)]
@@ -148,7 +148,7 @@ elif rank == 0:
 
 def _fake(tmp_path, monkeypatch, behaviour: str) -> None:
     script = tmp_path / "fake_pe.py"
-    n = len(pe_strategy.cases(2)) * len(pe_strategy.MODES)
+    n = pe_strategy.expected_passes(2)
     script.write_text(FAKE_PE.replace("BEHAVIOUR", behaviour.replace("CASES", str(n))))
     monkeypatch.setattr(Suite, "pe_command", lambda self, stage, rank, world, port, label, args=():
                         [sys.executable, str(script), self.rows_path, str(rank), str(world), label, *args])

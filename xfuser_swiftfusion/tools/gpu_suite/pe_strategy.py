@@ -12,9 +12,10 @@ what it refused), again under a private CUDA MPS daemon (``Suite.mps``; every PE
 the same processes run on CPU tensors over the ``shm`` heap: the stand-in that the tests and
 ``scripts/gpu_image_dryrun.sh`` run.
 
-Checks, per world and mode (``MODES``: eager; a CUDA-graph mode is one more entry there): each
-case of ``cases`` (bf16 and fp32, with and without text tokens, a key-padding mask with
-grouped-query K/V), ``LAYERS`` layers each, against an fp64 single-device reference computed in
+Checks, per world and mode (``MODES``: the execution plans eagerly, and as CUDA graphs, which
+must be captured on a GPU): each case of ``cases`` (bf16 and fp32, with and without text
+tokens, a key-padding mask with grouped-query K/V; the graph mode the bf16 ones), ``LAYERS``
+layers each, against an fp64 single-device reference computed in
 every PE from the same seeded global inputs (``tools/check.py``): every PE's output within the
 project's tolerance, ``ctx.strategy == "swiftfusion"``, no fallback, and the inter-machine bytes
 each PE counted equal to ``predicted_bytes`` (the cost model's program). Then one fault: the
@@ -46,10 +47,15 @@ from .report import RowWriter, read_rows
 STAGE = "pe-strategy"
 STRATEGY = "swiftfusion"          # the one-sided strategy: no NCCL at T x 1
 WORLDS = (2, 4)                   # PEs on the one GPU: topologies 2x1 and 4x1
-MODES: dict[str, dict] = {"eager": {}}  # mode -> init_sequence_parallel keyword arguments
+# mode -> (init_sequence_parallel keyword arguments, the dtypes it checks): the execution plans
+# run eagerly, and replayed as CUDA graphs (captured at the second layer of a case, replayed
+# at the third; the bf16 cases, whose triton launches a graph holds on a GPU)
+MODES: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "eager": ({"options": {"cuda_graphs": False}}, ("bf16", "fp32")),
+    "graph": ({"options": {"cuda_graphs": True}}, ("bf16",))}
 HEADS, KV_HEADS, HEAD_DIM, TOKENS = 8, 2, 64, 128  # TOKENS: image tokens per PE
 TEXT, MASKED = 7, 16              # text tokens; image keys masked (key padding)
-LAYERS = 2                        # attention calls per case (the second reuses the buffers)
+LAYERS = 3                        # attention calls per case (later ones run the first's plan)
 COMM_TIMEOUT_S = 30.0             # the communicator's timeout in the checked runs
 FAULT_TIMEOUT_S = 3.0             # ... in the faulty layer
 FAULT_BOUND_S = 2 * FAULT_TIMEOUT_S + 2.0  # a survivor's error must come within this
@@ -75,6 +81,16 @@ def cases(world: int) -> list[tuple[str, CheckCase]]:
                                     heads_kv=KV_HEADS if masked else 0,
                                     masked_keys=MASKED if masked else 0)))
     return out
+
+
+def mode_cases(world: int, mode: str) -> list[tuple[str, CheckCase]]:
+    """The cases ``mode`` checks (``MODES``)."""
+    return [(n, c) for n, c in cases(world) if c.dtype in MODES[mode][1]]
+
+
+def expected_passes(world: int) -> int:
+    """PASS rows of a run of ``world`` PEs where every case of every mode passes."""
+    return sum(len(mode_cases(world, m)) for m in MODES)
 
 
 def predicted_bytes(mesh: Any, rank: int, case: CheckCase) -> int:
@@ -185,7 +201,8 @@ def _one_case(ctx: Any, case: CheckCase, rank: int, world: int, device: torch.de
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "refusal": is_refusal(exc)}
     return {"error": None, "err": worst, "bytes": stats["inter_node_bytes"],
             "predicted": LAYERS * predicted_bytes(ctx.mesh, rank, case),
-            "strategy": ctx.strategy, "fallbacks": stats["fallbacks"]}
+            "strategy": ctx.strategy, "fallbacks": stats["fallbacks"],
+            "graphs": stats["graphs_captured"]}
 
 
 def _verdict(every: list[dict], tol: float) -> list[str]:
@@ -216,7 +233,7 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
     note = "" if device.type == "cuda" else " (CPU stand-in: shm heap)"
     tags = {"attempt": label, "world": world, "stand_in": device.type != "cuda"}
     passed = 0
-    for mode, options in MODES.items():
+    for mode, (options, _) in MODES.items():
         try:
             ctx = init_sequence_parallel(STRATEGY, HEADS, topo, timeout_s=COMM_TIMEOUT_S,
                                          comm=comm, **options)
@@ -227,8 +244,12 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
                   rank=rank, **tags)
             return False
         try:
-            for name, case in cases(world):
+            for name, case in mode_cases(world, mode):
                 mine = _one_case(ctx, case, rank, world, device)
+                if mode == "graph" and device.type == "cuda" and mine["error"] is None \
+                        and mine["graphs"] < 1:
+                    mine["error"] = ("its plan was not captured in a CUDA graph (the log of this "
+                                     "PE says why)")
                 every: list = [None] * world
                 try:
                     dist.all_gather_object(every, mine)
@@ -261,22 +282,31 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
 
 
 def _arm_kill(ctx: Any, device: torch.device) -> None:
-    """This PE SIGKILLs itself at its first get: mid-layer, once barrier 1 (after the
-    intra-machine scatter) has completed on every PE (waited for at most the timeout)."""
+    """This PE SIGKILLs itself at its first get of the next layer: mid-layer, once barrier 1
+    (after the intra-machine scatter) has completed on every PE (waited for at most the
+    timeout). The layer's gets are prepared anew for that (its plan is compiled again)."""
     comm = _comms(ctx)[0]
+    prepare = comm.prepare
 
-    def get_then_die(*args: Any, **kwargs: Any) -> None:
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            deadline = time.monotonic() + FAULT_TIMEOUT_S
-            while not event.query() and time.monotonic() < deadline:
-                time.sleep(1e-3)
-        print(f"pe-strategy: rank {ctx.rank}: SIGKILL mid-layer (after barrier 1, at its first "
-              "get)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def prepare_to_die(op: str, *args: Any, **kwargs: Any):
+        issue = prepare(op, *args, **kwargs)
+        if op != "get":
+            return issue
 
-    comm.get = get_then_die
+        def get_then_die() -> None:
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                deadline = time.monotonic() + FAULT_TIMEOUT_S
+                while not event.query() and time.monotonic() < deadline:
+                    time.sleep(1e-3)
+            print(f"pe-strategy: rank {ctx.rank}: SIGKILL mid-layer (after barrier 1, at its "
+                  "first get)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return get_then_die
+
+    comm.prepare = prepare_to_die
+    ctx._impl.plans._plans.clear()  # the next call compiles the layer, with these gets
 
 
 def _run_fault(w: RowWriter, rank: int, world: int, device: torch.device, label: str,
@@ -405,7 +435,7 @@ def _run(suite: Any, world: int, label: str, env: dict, end: float) -> str:
     if any(r.data.get("refused") for r in rows):
         return "refused"
     passed = [r for r in rows if r.result == "PASS"]
-    ok = (len(passed) == len(cases(world)) * len(MODES) and not any(r.result == "FAIL" for r in rows)
+    ok = (len(passed) == expected_passes(world) and not any(r.result == "FAIL" for r in rows)
           and all(rc == 0 for rc, _ in results))
     return "passed" if ok else "failed"
 
