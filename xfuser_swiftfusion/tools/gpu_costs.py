@@ -36,8 +36,9 @@ merge on an H100) until a committed run has USP's row.
 ``check_replay``: the timeline of rank 0's program on ``replay_profile`` against every replay
 row (GPU time with the host ahead, host time), the check ``tests/test_gpu_costs.py`` holds.
 
-``advice_table``: ``plan`` for the replay's models on the measured ``p5`` and ``p4de``, the
-table README.md and docs/cost-model.md show (tests/test_gpu_costs.py checks they do).
+``advice_table``: what ``plan`` predicts for the replay's models on the measured ``p5`` and
+``p4de``, the table docs/cost-model.md and BENCHMARKS.md show (tests/test_gpu_costs.py checks
+they do, and that ``plan`` prints the same).
 
 Command (CPU only, reads the run's rows; ``--advice``: the table too):
     python -m xfuser_swiftfusion.tools.gpu_costs benchmarks/gpu/h100-6230d7a [--advice]
@@ -230,15 +231,18 @@ def predict_replay(costs: dict, model: ModelShape) -> tuple[float, float]:
     return gpu, host
 
 
-def _least_squares(cols: list[list[float]], y: list[float]) -> list[float]:
-    """Coefficients minimizing sum_i ((sum_j c_j cols[j][i] - y_i) / y_i)^2 (one or two)."""
-    A = [[c[i] / y[i] for c in cols] for i in range(len(y))]
-    if len(cols) == 1:
-        return [sum(a[0] for a in A) / sum(a[0] ** 2 for a in A)]
+def _least_squares(cols: list[list[float]], y: list[float], scale: list[float]) -> list[float]:
+    """Coefficients (one or two, none below 0) minimizing
+    sum_i ((sum_j c_j cols[j][i] - y[i]) / scale[i])^2: least squares of the error relative to
+    ``scale`` (the measured figure)."""
+    A = [[c[i] / scale[i] for c in cols] for i in range(len(y))]
+    b = [y[i] / scale[i] for i in range(len(y))]
     s = lambda j, k: sum(a[j] * a[k] for a in A)  # noqa: E731
-    t = lambda j: sum(a[j] for a in A)  # noqa: E731  (the right side is 1 in every row)
+    t = lambda j: sum(a[j] * bi for a, bi in zip(A, b))  # noqa: E731
+    if len(cols) == 1:
+        return [max(0.0, t(0) / s(0, 0))]
     det = s(0, 0) * s(1, 1) - s(0, 1) ** 2
-    return [(t(0) * s(1, 1) - t(1) * s(0, 1)) / det, (t(1) * s(0, 0) - t(0) * s(0, 1)) / det]
+    return [max(0.0, (t(0) * s(1, 1) - t(1) * s(0, 1)) / det), max(0.0, (t(1) * s(0, 0) - t(0) * s(0, 1)) / det)]
 
 
 def baseline_costs(usp: dict) -> dict:
@@ -273,9 +277,10 @@ def derive(rows: list[dict], run: dict, baseline: dict = USP_MEASURED, models=MO
             raise ValueError(f"{m.name}: rank 0's program makes {attend_calls(progs[m.name])} attend calls, "
                              f"the run's layer made {replays[m.name]['attend_calls']}: set PROGRAM_KW to "
                              "the run's launch mode")
-    counts = {n: _counts(p) for n, p in progs.items()}
-    host = [replays[n]["host_ms"] * 1e-3 - merge * counts[n][1] for n in progs]
-    a, t = (max(x, 0.0) for x in _least_squares([[counts[n][0] for n in progs], [counts[n][2] for n in progs]], host))
+    counts = {n: _counts(p) for n, p in progs.items()}  # (attend calls, query chunks, transfers)
+    host = [replays[n]["host_ms"] * 1e-3 for n in progs]
+    a, t = _least_squares([[counts[n][0] for n in progs], [counts[n][2] for n in progs]],
+                          [h - merge * counts[n][1] for h, n in zip(host, progs)], host)
     meshes = [torus_mesh(Topology(4, 8), m.heads) for m in shapes]  # (mesh, heads)
     bh = [H // (mesh.torus * mesh.ulysses_intra) for mesh, H in meshes]  # heads per launch
     fitted = f"the replay ({', '.join(progs)}; {backend})"
@@ -297,20 +302,11 @@ def derive(rows: list[dict], run: dict, baseline: dict = USP_MEASURED, models=MO
                    for n in progs},
         **(copy or {}),
     }
-    gpu0 = {m.name: predict_replay(costs, m)[0] for m in shapes}
-    costs["ours"]["chunk_s"] = _chunk_fit(counts, replays, gpu0)
+    gpu = [replays[n]["gpu_ms"] * 1e-3 for n in progs]
+    without = [predict_replay(costs, m)[0] for m in shapes]  # the timeline with chunk_s = 0
+    (costs["ours"]["chunk_s"],) = _least_squares([[counts[n][1] for n in progs]],
+                                                 [g - g0 for g, g0 in zip(gpu, without)], gpu)
     return costs
-
-
-def _chunk_fit(counts: dict, replays: dict, gpu0: dict) -> float:
-    """``chunk_s``: the replay's GPU time per layer less the timeline's without it, over the
-    query chunks of the layer's attend calls, least squares of the relative error (not below
-    0; nor are the host figures)."""
-    names = list(gpu0)
-    n = [counts[k][1] for k in names]
-    g = [replays[k]["gpu_ms"] * 1e-3 for k in names]
-    return max(0.0, sum(ni * (gi - gpu0[k]) / gi ** 2 for ni, gi, k in zip(n, g, names)) / sum(
-        (ni / gi) ** 2 for ni, gi in zip(n, g)))
 
 
 def check_replay(costs: dict, models=MODELS) -> list[dict]:
@@ -348,20 +344,23 @@ ADVICE_PROFILES = ("p5", "p4de")
 
 
 def advice_table(profiles=ADVICE_PROFILES) -> str:
-    """``plan`` on 4 x 8 GPUs for ``ADVICE``'s models on each of ``profiles``: a markdown table
-    of every strategy's predicted ms per layer (GPU / host beside) and ``auto``'s pick."""
-    from .cli import plan
+    """What ``plan`` predicts on 4 x 8 GPUs for ``ADVICE``'s models on each of ``profiles``
+    (every strategy as ``init_sequence_parallel`` runs it, ``auto``'s pick): a markdown table
+    of ms per layer, GPU / host beside."""
+    from ..cost_model import Workload, get_profile, predict, recommend
     names = [s.name for s in modelled()]
+    topo = Topology(4, 8)
     lines = ["| model, 4 x 8 | profile | " + " | ".join(names) + " | auto picks |",
              "| --- | --- | " + " | ".join("---:" for _ in names) + " | --- |"]
     for model, H, L, D in ADVICE:
+        w = Workload(1, L, H, D)
         for hw in profiles:
-            p = plan(4, 8, H, L, D, hardware=hw)
-            cells = [f"{p[n]['predicted_latency_s'] * 1e3:.2f} ({p[n]['predicted_gpu_s'] * 1e3:.2f} / "
-                     f"{p[n]['predicted_host_s'] * 1e3:.2f})" for n in names]
-            rec = p["recommended"]
+            prof = get_profile(hw, topo)
+            cells = [f"{p.latency_s * 1e3:.2f} ({p.compute_s * 1e3:.2f} / {p.host_s * 1e3:.2f})"
+                     for p in (predict(n, topo, w, prof) for n in names)]
+            best = recommend(topo, w, prof)
             lines.append(f"| {model} | {hw} | " + " | ".join(cells)
-                         + f" | {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']} |")
+                         + f" | {best.strategy} U{best.ulysses}xR{best.ring} |")
     return "\n".join(lines)
 
 
