@@ -151,8 +151,8 @@ def speed_rows(rows: list[dict]) -> list[dict]:
 
 def replay_rows(rows: list[dict], models=MODELS) -> dict[str, dict]:
     """Per model, the replay row that timed host and GPU (``host_ms``): of the backend the
-    speed stage found fastest where several did."""
-    fastest = statistics.mode(r["data"]["fastest"] for r in speed_rows(rows))
+    speed stage found fastest in bf16 (the replay's dtype) where several did."""
+    fastest = statistics.mode(r["data"]["fastest"] for r in speed_rows(rows) if _dtype(r) == "bf16")
     out: dict[str, dict] = {}
     for m in models:
         timed = [r["data"] for r in rows if r["stage"] == "replay" and r["case"].startswith(f"{m.name} rank 0")
