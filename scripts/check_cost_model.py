@@ -20,7 +20,7 @@ predict FILE's measured rows with the new profiles (a change to ``calibrate``, c
 measuring again); auto's latency counts where the new profile picks what ran.
 
 ``--paper``: no run; SFU/USP and TAS/USP per attention layer predicted on ``--hardware``
-(default ``p4de``, datasheet rates) at the paper's layerwise points (4 x 8 A100, 24 heads, its
+(default ``p4de-datasheet``, datasheet rates: the paper's regime) at the paper's layerwise points (4 x 8 A100, 24 heads, its
 default mesh U8 x R4: L 96k-192k at B=1 and B 1-4 at L=128k, for D 32, 64, 128), averaged as the
 paper averages them, beside the paper's averages (docs/cost-model.md).
 
@@ -206,7 +206,7 @@ def main() -> int:
     ap.add_argument("--stored", nargs="+", metavar="FILE", help="bench_layer.py results instead of a run")
     ap.add_argument("--paper", action="store_true", help="the paper's layerwise points (no run)")
     ap.add_argument("--hardware", default=None,
-                    help="--stored: the profile (default cpu-emulated); --paper: (default p4de)")
+                    help="--stored: the profile (default cpu-emulated); --paper: (default p4de-datasheet)")
     ap.add_argument("--out", default=str(RESULTS / "check-cost-model"))
     ap.add_argument("--recalibrate", metavar="FILE",
                     help="a check's .json: calibrate again, predict its measured rows (no measurement)")
@@ -216,7 +216,7 @@ def main() -> int:
     t0 = time.time()
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
     if a.paper:
-        print(f"`{cmd}`\n\n{paper(a.hardware or 'p4de')}")
+        print(f"`{cmd}`\n\n{paper(a.hardware or 'p4de-datasheet')}")
         return 0
     if a.stored:
         a.hardware = a.hardware or "cpu-emulated"

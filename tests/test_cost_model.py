@@ -24,7 +24,7 @@ from support.reference import max_abs_err, rank_rows
 from support.scripts import load_script
 
 STRATS = ("usp", "tas", "torus", "swiftfusion")
-P4DE = GPU_PROFILES["p4de"]
+P4DE = GPU_PROFILES["p4de-datasheet"]  # the model's mechanics on a plain GPU profile (no baseline costs)
 real_tas, real_torus = tas.tas_schedule, torus.torus_schedule
 
 

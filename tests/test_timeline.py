@@ -173,3 +173,49 @@ def test_a_collective_to_one_other_machine_takes_the_two_machine_rate():
     two = [a2a(0, (0, 1)), a2a(1, (0, 1)), []]
     assert run(two, "3x1", **fast)[:2] == pytest.approx([LAT + 0.5] * 2)  # fan-out 1: inter1
     assert run(two, "3x1")[:2] == pytest.approx([LAT + 1.0] * 2)  # no inter1: the inter rate
+
+
+def test_host_slower_than_the_device_bounds_the_layer():
+    """On a GPU (the host runs ahead) each call starts once the host issued it: 2 calls of 3
+    query chunks at 0.5 s + 0.25 s per chunk of host each take the host 2.5 s against 2.15 s of
+    device work, so the layer ends 1.25 s + 1.07 s after its start when the host issued the
+    second call; ``host_s`` says when the host was done."""
+    call = Attend((512, 256, 256), (1024,), 4)
+    secs = 4 * 4 * 1024 * 1024 * 64 / 1e9
+    host = 0.5 + 3 * 0.25
+    res = simulate([[call, call], []], Topology.parse("2x1"),
+                   profile(attend_call_s=0.5, merge_call_s=0.25, host_waits=False), "bf16", 64)
+    assert res.host_s[0] == pytest.approx(2 * host)
+    assert res.finish_s[0] == pytest.approx(2 * host + secs)   # the device waited for the host
+    fast = simulate([[call, call], []], Topology.parse("2x1"), profile(host_waits=False), "bf16", 64)
+    assert fast.host_s[0] == 0.0 and fast.finish_s[0] == pytest.approx(2 * secs)
+
+
+def test_device_time_per_query_chunk():
+    """``chunk_s`` adds device time per query chunk of a call, besides its FLOPs."""
+    call = Attend((512, 256, 256), (1024,), 4)
+    secs = 4 * 4 * 1024 * 1024 * 64 / 1e9
+    assert run([[call], []], chunk_s=0.1)[0] == pytest.approx(secs + 0.3)
+
+
+@pytest.mark.timeout(60)
+def test_a_short_job_late_in_a_long_timeline_ends():
+    """A job far shorter than the clock's resolution at its start (a 1-byte put after 10^4 s
+    of compute: now + its time == now) ends; it used to leave the timeline spinning."""
+    rates = {k: {"intra": Rate(1e18, 0.0), "inter": Rate(1e18, 0.0)}
+             for k in ("exchange", "all_to_all", "all_gather", "get", "put")}
+    prog = [[Copy(int(1e13)), Transfer("a", "put", "other", ((1, 1),)), Wait(("a",))], []]
+    assert run(prog, transfers=rates) == pytest.approx([1e4, 0.0])
+
+
+def test_one_rank_alone_runs_its_one_sided_program():
+    """``simulate_alone``: the GPU suite's replay world, one rank with no peer there: its gets
+    and puts run on it alone, its barriers end when it arrives; a two-sided transfer, which
+    needs its peer, is refused."""
+    from xfuser_swiftfusion.timeline import simulate_alone
+    topo = Topology.parse("2x1")
+    ops = [Transfer("a", "get", "other", recvs=((1, MB),)), Barrier((0, 1)), Copy(int(1e9))]
+    res = simulate_alone(ops, 0, topo, profile(host_waits=False, barrier_s=0.0), "bf16", 64)
+    assert res.finish_s == pytest.approx([LAT + 1.0 + 1.0])   # the get, then the copy
+    with pytest.raises(ValueError, match="two-sided"):
+        simulate_alone([exchange("a", 1, MB), Wait(("a",))], 0, topo, profile(), "bf16", 64)

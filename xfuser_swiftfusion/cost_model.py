@@ -2,14 +2,17 @@
 
 Inputs: topology (N machines x M GPUs), ``Workload`` (B, L, H, D, dtype), mesh degrees, and a
 ``HardwareProfile`` (``hardware.py``: measured by ``swiftfusion calibrate`` or built in).
-Output: ``Prediction`` (seconds per attention layer, with the compute beside it).
+Output: ``Prediction`` (seconds per attention layer, with the compute and the host's issue
+time beside it).
 
 Nothing here restates a schedule: each strategy's ``program`` (``strategies/ops.py``) expands
 the step list the strategy executes (``torus_schedule``, ``ring_schedule``,
 ``tas_schedule``; usp: the steps of xFuser's USP) into the calls one rank makes, and
 ``timeline.simulate`` runs every rank's calls on the profile's rates: compute, each machine's
 links per direction shared by the transfers in flight, per-call host cost, barriers. A change
-to a schedule changes the prediction without an edit here (tests/test_cost_model.py).
+to a schedule changes the prediction without an edit here (tests/test_cost_model.py). The
+baseline (``usp``: xFuser's code makes its calls, not ours) runs on the profile's
+``baseline`` compute costs where it has them (``HardwareProfile.for_baseline``).
 
 Zero-padded heads (``mesh.torus_mesh``, ``strategies/padded.py``): a strategy that needs the
 Torus schedule, at the default degree, on a mesh that is not torus-ready runs on ``H'`` heads
@@ -58,6 +61,9 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     heads: int = 0     # heads it runs on: the workload's, or H' when zero-padded
     padded: bool = False  # runs on zero-padded heads (heads > the workload's)
+    host_s: float = 0.0   # when the slowest rank's host finished issuing its calls
+    host_bound: bool = False  # its host runs ahead of the device (GPU) and issues the calls
+    # slower than the device computes them: the device waits for the host
 
     @property
     def exposed_comm_s(self) -> float:
@@ -96,13 +102,15 @@ def predict(strategy: str, topology: Topology, workload: Workload, profile: Hard
     spec's fallback."""
     spec = get(strategy)
     mesh, runs, w = _mesh(spec, topology, workload, ulysses_degree, pad_heads)
-    res = simulate(programs(runs, mesh, w), topology, profile, w.dtype, w.head_dim)
+    prof = profile.for_baseline() if runs.baseline else profile
+    res = simulate(programs(runs, mesh, w), topology, prof, w.dtype, w.head_dim)
     x = max(range(len(res.finish_s)), key=res.finish_s.__getitem__)
     per_rank = counted_inter_node_elements(mesh, w.batch, w.seq_len, w.heads, w.head_dim, runs.ring)
     return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement,
                       res.finish_s[x], res.compute_s[x], max(per_rank) * BYTES[w.dtype],
                       {"critical_rank": x, "fastest_rank_s": min(res.finish_s)},
-                      w.heads, w.heads != workload.heads)
+                      w.heads, w.heads != workload.heads, res.host_s[x],
+                      not prof.host_waits and res.host_s[x] > res.compute_s[x])
 
 
 def inter_node_elements(strategy: str, topology: Topology, workload: Workload,
@@ -144,16 +152,19 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile,
 
 def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
               usp_ulysses: int | None = None, external: bool = True,
-              pad_heads: bool = False) -> Prediction:
+              pad_heads: bool = False, cands: list[Prediction] | None = None) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
     the registry's order and the larger Ulysses degree. Never predicted slower than the
     baseline (``usp`` at its default degree). ``usp_ulysses``: the only Ulysses degree a
     strategy on xFuser's existing groups may use (they are built already). ``external=False``:
     no strategy on groups built outside this package (no xFuser: diffusers' integration).
     ``pad_heads``: Torus-schedule strategies on zero-padded heads are candidates too (the
-    caller must then build a pick with ``heads`` > H padded, ``strategies/padded.py``)."""
+    caller must then build a pick with ``heads`` > H padded, ``strategies/padded.py``).
+    ``cands``: ``candidates(topology, workload, profile, pad_heads)`` where already at hand."""
     specs = {s.name: s for s in modelled() if external or not s.external_groups}
-    cands = [p for p in candidates(topology, workload, profile, pad_heads) if p.strategy in specs
+    if cands is None:
+        cands = candidates(topology, workload, profile, pad_heads)
+    cands = [p for p in cands if p.strategy in specs
              and (not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses))]
     order = list(specs)
     baselines = [s for s in specs.values() if s.baseline]
@@ -165,7 +176,29 @@ def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
     return best if base is None or best.latency_s <= base.latency_s else base
 
 
+def why_baseline(best: Prediction, cands: list[Prediction], profile: HardwareProfile) -> str | None:
+    """Why ``best`` (``recommend``'s pick among ``cands``) is the baseline, when it is: its
+    prediction beside each other strategy's fastest candidate and what bounds that one (its
+    host, or its GPU work and the communication it does not hide); else None."""
+    if not get(best.strategy).baseline:
+        return None
+    fastest: dict[str, Prediction] = {}
+    for c in sorted(cands, key=lambda c: c.latency_s):
+        if not get(c.strategy).baseline:
+            fastest.setdefault(c.strategy, c)
+    if not fastest:
+        return None
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    alts = ", ".join(
+        f"{c.strategy} {ms(c.latency_s)} ("
+        + (f"host-bound: host {ms(c.host_s)}, GPU {ms(c.compute_s)}" if c.host_bound else
+           f"compute {ms(c.compute_s)}, communication not hidden {ms(c.exposed_comm_s)}") + ")"
+        for c in fastest.values())
+    return (f"{best.strategy} U{best.ulysses}xR{best.ring} predicted {ms(best.latency_s)} per layer on "
+            f"profile {profile.name} ({profile.origin()}), faster than {alts}")
+
+
 __all__ = ["BYTES", "CPU_PROFILE_PATH", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates", "cpu_profile",
            "get_profile", "host_cpu", "inter_node_elements", "load_profile", "predict",
-           "programs", "recommend", "ulysses_degrees"]
+           "programs", "recommend", "ulysses_degrees", "why_baseline"]

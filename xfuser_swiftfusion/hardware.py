@@ -1,9 +1,12 @@
 """Hardware profiles: the rates of one cluster that the cost model's timeline runs on.
 
 A profile is what ``swiftfusion calibrate`` measures on a cluster (a JSON file, format below),
-or a built-in one for planning before a cluster exists: ``p4de``, ``p5``, ``h100-ndr`` from
-datasheet rates, ``cpu-emulated`` from ``cpu_profile.json`` (``scripts/calibrate_cpu.py``).
-``get_profile(name_or_path)`` loads either.
+or a built-in one for planning before a cluster exists: ``p4de``, ``p5``, ``h100-ndr`` with
+datasheet links and what this code costs on a GPU, measured (``gpu_costs.json``: a committed
+GPU suite run, ``tools/gpu_costs.py``; p4de's A100 compute scaled from the H100's), their
+``-datasheet`` twins with every figure from datasheets (kernels at FlashAttention's rate, 8 us
+of host per call: the paper's regime, not this code's), ``cpu-emulated`` from
+``cpu_profile.json`` (``scripts/calibrate_cpu.py``). ``get_profile(name_or_path)`` loads any.
 
 Rates (docs/cost-model.md):
 
@@ -16,8 +19,10 @@ Rates (docs/cost-model.md):
   two machines, which serves the transfers whose peers are on one other machine (``rate``);
 - ``attention[dtype][D]``: measured ``(Lq, Lk, FLOP/s)`` points of one attend call per
   ``attention_bh`` rows of heads (B*h), interpolated log-log, clamped at the edges;
-  ``merge_s_per_elem``: merging / finalizing one output element; ``attend_call_s``,
-  ``transfer_call_s``: the host's cost of one call; ``copy_bw``: local copies;
+  ``merge_s_per_elem``: merging / finalizing one output element; ``chunk_s``: device time
+  per query chunk of an attend call beyond its FLOPs (its state's merge or finalization,
+  launches); ``attend_call_s``, ``transfer_call_s``: the host's cost of one call,
+  ``merge_call_s``: of each query chunk of an attend call; ``copy_bw``: local copies;
 - ``barrier_s`` / ``sync_s``: one barrier / sync once every rank arrived;
 - ``host_cores``: None on GPUs (each rank its own device); on a shared host (the CPU
   emulation) the cores all ranks' compute and transfer CPU share, rates then per core;
@@ -27,12 +32,18 @@ Rates (docs/cost-model.md):
 - ``inter_gpu_bw``: one GPU's own cap on inter-machine traffic per direction (its NIC share);
 - ``one_sided_depth``: transfers of one one-sided queue in flight at once (NVSHMEM's
   communicator: ``comm.nvshmem.STREAMS_PER_QUEUE`` streams per queue, one transfer each; the
-  CPU emulation's proxy: ``shm._IN_FLIGHT``).
+  CPU emulation's proxy: ``shm._IN_FLIGHT``);
+- ``baseline``: the compute costs of the baseline strategy (xFuser's USP, whose code, not
+  ours, makes its attention calls) where they were measured apart (``attention``,
+  ``attend_call_s``, ...); empty: ours;
+- ``figures``: per figure, how it was obtained (measured, scaled and how, datasheet).
 
-File format (``format: swiftfusion-hardware/1``): the fields above by name, ``attention`` as
-``{dtype: {D: [[Lq, Lk, flops], ...]}}``, ``transfers`` as ``{kind: {locality: {bw,
-latency_s, cpu_s_per_byte}}}``, and ``measured`` (how and where: command, topology, host,
-device, date).
+File format (``format: swiftfusion-hardware/2``; ``/1`` files, without ``chunk_s``,
+``merge_call_s``, ``baseline``, ``figures``, load with those at their defaults): the fields
+above by name, ``attention`` (and ``baseline.attention``) as ``{dtype: {D: [[Lq, Lk, flops],
+...]}}``, ``transfers`` as ``{kind: {locality: {bw, latency_s, cpu_s_per_byte}}}``, and
+``measured`` (how and where: command, topology, host, device, date; for the built-in GPU
+profiles the run: GPU, commit, versions, date).
 """
 from __future__ import annotations
 
@@ -41,6 +52,7 @@ import json
 import math
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -50,10 +62,13 @@ from .strategies.ops import KINDS
 
 logger = get_logger(__name__)
 
-FORMAT = "swiftfusion-hardware/1"
+FORMAT = "swiftfusion-hardware/2"
+FORMATS = ("swiftfusion-hardware/1", FORMAT)  # /1: the fields /2 added take their defaults
 LOCALITIES = ("intra", "inter")
 FANOUT_1 = "inter1"  # a collective's rate between two machines (module docstring)
 CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
+GPU_COSTS_PATH = Path(__file__).with_name("gpu_costs.json")
+GPU_COSTS_FORMAT = "swiftfusion-gpu-costs/1"
 LINK_ENV = "SWIFTFUSION_LINK_MBIT"  # set by the CPU cluster emulation on throttled links
 HARDWARE_ENV = "SWIFTFUSION_HARDWARE"  # a profile name or a profile file
 
@@ -88,6 +103,10 @@ class HardwareProfile:
     one_sided_depth: int = 1
     source: str = ""
     measured: dict = field(default_factory=dict)
+    merge_call_s: float = 0.0
+    chunk_s: float = 0.0
+    baseline: dict = field(default_factory=dict)
+    figures: dict = field(default_factory=dict)
 
     def rate(self, kind: str, locality: str, fanout: int | None = None) -> Rate:
         """The rate of ``kind`` at ``locality``; across machines with ``fanout`` 1 (the
@@ -108,33 +127,64 @@ class HardwareProfile:
                  kv: tuple[int, ...], finalize: bool) -> float:
         """Seconds of one attend call (``ops.Attend``) at full speed, without its host cost."""
         lq, lk = sum(q), sum(kv)
-        t = 0.0
+        t = len(q) * self.chunk_s
         if lk:
             t += 4 * bh * lq * lk * head_dim / self.flops(dtype, head_dim, lq, lk)
         merges = (lk > 0) + finalize
         return t + merges * bh * lq * head_dim * self.merge_s_per_elem
 
+    def origin(self) -> str:
+        """Where the profile's figures come from, in a few words."""
+        m = self.measured
+        if m.get("commit"):
+            scaled = self.figures.get("attention", "").startswith("scaled")
+            return (f"this code's costs measured on {m['gpu']} at commit {m['commit']}, {m['date']}"
+                    + (", kernel rates scaled to this GPU" if scaled else "") + "; datasheet links")
+        if m.get("command"):
+            return f"calibrated on {m.get('device', '?')}, {m.get('date', '?')}"
+        if m.get("cpu"):
+            return f"measured on {m['cpu']}, {m.get('date', '?')}"
+        return "datasheet rates"
+
+    def for_baseline(self) -> "HardwareProfile":
+        """The profile the baseline strategy runs on: ``baseline``'s compute costs in place
+        of ours where they were measured apart (module docstring)."""
+        return replace(self, **self.baseline) if self.baseline else self
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["format"] = FORMAT
-        d["attention"] = {dt: {str(D): [list(p) for p in pts] for D, pts in t.items()}
-                          for dt, t in self.attention.items()}
+        d["attention"] = table_to_json(self.attention)
+        if self.baseline.get("attention"):
+            d["baseline"] = {**self.baseline, "attention": table_to_json(self.baseline["attention"])}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "HardwareProfile":
-        if d.get("format") != FORMAT:
+        if d.get("format") not in FORMATS:
             raise ValueError(f"not a hardware profile of format {FORMAT!r} (got {d.get('format')!r}); "
                              "write one with swiftfusion calibrate")
         d = {k: v for k, v in d.items() if k != "format"}
         d["transfers"] = {k: {loc: Rate(**r) for loc, r in v.items()} for k, v in d["transfers"].items()}
-        d["attention"] = {dt: {int(D): tuple(tuple(p) for p in pts) for D, pts in t.items()}
-                          for dt, t in d["attention"].items()}
+        d["attention"] = table_from_json(d["attention"])
+        if d.get("baseline", {}).get("attention"):
+            d["baseline"] = {**d["baseline"], "attention": table_from_json(d["baseline"]["attention"])}
         missing = [f"{k}/{loc}" for k in KINDS for loc in LOCALITIES
                    if loc not in d["transfers"].get(k, {})]
         if missing:
             raise ValueError(f"hardware profile lacks transfer rates {', '.join(missing)}")
         return cls(**d)
+
+
+def table_to_json(table: dict) -> dict:
+    """An ``attention`` table as JSON: ``{dtype: {"D": [[Lq, Lk, flops], ...]}}``."""
+    return {dt: {str(D): [list(p) for p in pts] for D, pts in t.items()} for dt, t in table.items()}
+
+
+def table_from_json(table: dict) -> dict:
+    """``table_to_json``'s inverse."""
+    return {dt: {int(D): tuple(tuple(p) for p in pts) for D, pts in t.items()}
+            for dt, t in table.items()}
 
 
 def _interpolate(points: tuple[tuple[int, int, float], ...], lq: int, lk: int) -> float:
@@ -165,38 +215,159 @@ def _interpolate(points: tuple[tuple[int, int, float], ...], lq: int, lk: int) -
     return math.exp(v)
 
 
-# --- built-in GPU profiles: datasheet rates, nothing fitted ------------------------------
+# --- built-in GPU profiles -----------------------------------------------------------------
 
-def _gpu(name: str, nvlink: float, link: float, nic: float, flops_bf16: float, source: str,
-         copy_bw: float) -> HardwareProfile:
-    """``nvlink`` bytes/s per GPU and direction, ``link`` per machine and direction, ``nic``
-    one GPU's NIC share; FlashAttention ``flops_bf16`` at D=128 (D=32 / 64 at 45 / 75 %)."""
-    two = {"intra": Rate(nvlink, 15e-6), "inter": Rate(link, 15e-6)}
-    one = {"intra": Rate(nvlink, 3e-6), "inter": Rate(link, 3e-6)}
+@dataclass(frozen=True)
+class Machine:
+    """Datasheet figures of one GPU machine type (DESIGN.md section 6; ``hbm``: NVIDIA's
+    datasheets of the GPU): ``nvlink`` bytes/s per GPU and direction within the machine,
+    ``link`` per machine and direction across machines, ``nic`` one GPU's NIC share,
+    ``flash`` FlashAttention's bf16 FLOP/s at D=128 on this GPU, ``hbm`` memory bytes/s,
+    ``copy_bw`` the local copy rate of the datasheet profile."""
+
+    gpu: str
+    nvlink: float
+    link: float
+    nic: float
+    flash: float
+    hbm: float
+    copy_bw: float
+    source: str
+
+
+MACHINES = {
+    "p4de": Machine("A100", 230e9, 400e9 / 8, 100e9 / 8, 200e12, 2.039e12, 1.0e12,
+                    "8x A100 NVSwitch (~230 GB/s per GPU), EFA 4 x 100 Gbps per machine (400 Gbps "
+                    "= 50 GB/s per direction; a GPU's NIC 12.5 GB/s)"),
+    "p5": Machine("H100", 370e9, 3200e9 / 8, 400e9 / 8, 600e12, 3.35e12, 1.2e12,
+                  "8x H100 NVSwitch (~370 GB/s per GPU), EFA 32 x 100 Gbps per machine (3200 Gbps; "
+                  "a GPU's NICs 50 GB/s)"),
+    "h100-ndr": Machine("H100", 370e9, 8 * 48e9, 48e9, 600e12, 3.35e12, 1.2e12,
+                        "8x H100 NVSwitch, NDR InfiniBand 400 Gbps per GPU (~48 GB/s)"),
+}
+FLASH_SOURCE = {"A100": "FlashAttention-2 ~200 TFLOP/s", "H100": "FlashAttention-3 ~600 TFLOP/s"}
+FP32_SCALE = 19.5 / 312  # A100 datasheet: FP32 19.5 TFLOP/s against BF16 tensor cores 312
+
+
+def _links(m: Machine) -> dict:
+    """A machine's transfer rates and the fields that go with them (datasheet, DESIGN.md
+    section 6: NCCL 15 us and NVSHMEM 3 us per message, a barrier on stream ~10-50 us)."""
+    two = {"intra": Rate(m.nvlink, 15e-6), "inter": Rate(m.link, 15e-6)}
+    one = {"intra": Rate(m.nvlink, 3e-6), "inter": Rate(m.link, 3e-6)}
+    return dict(transfers={"exchange": two, "all_to_all": two, "all_gather": two, "get": one, "put": one},
+                barrier_s=20e-6, sync_s=10e-6, host_cores=None, host_waits=False, two_sided_fifo=True,
+                inter_gpu_bw=m.nic, one_sided_depth=STREAMS_PER_QUEUE)
+
+
+def _datasheet(name: str, m: Machine) -> HardwareProfile:
+    """Every figure from datasheets: FlashAttention's bf16 rate at D=128 for every call (D=32
+    / 64 at 45 / 75 %), 8 us of host per call, nothing measured (the paper's regime)."""
     eff = {32: 0.45, 64: 0.75, 128: 1.0, 256: 1.0}
-    attention = {dt: {D: ((1024, 1024, flops_bf16 * e / (16 if dt == "fp32" else 1)),)
+    attention = {dt: {D: ((1024, 1024, m.flash * e / (16 if dt == "fp32" else 1)),)
                       for D, e in eff.items()} for dt in ("bf16", "fp32")}
     return HardwareProfile(
-        name=name, transfers={"exchange": two, "all_to_all": two, "all_gather": two,
-                              "get": one, "put": one},
-        attention=attention, attention_bh=16, barrier_s=20e-6, sync_s=10e-6,
-        attend_call_s=8e-6, transfer_call_s=8e-6, merge_s_per_elem=0.0, copy_bw=copy_bw,
-        host_cores=None, host_waits=False, two_sided_fifo=True, inter_gpu_bw=nic,
-        one_sided_depth=STREAMS_PER_QUEUE, source=source)
+        name=name, attention=attention, attention_bh=16, attend_call_s=8e-6, transfer_call_s=8e-6,
+        merge_s_per_elem=0.0, copy_bw=m.copy_bw,
+        source=f"{m.source}, {FLASH_SOURCE[m.gpu]} (DESIGN.md section 6)", **_links(m))
 
 
-GPU_PROFILES = {
-    "p4de": _gpu("p4de", 230e9, 400e9 / 8, 100e9 / 8, 200e12,
-                 "8x A100 NVSwitch (~230 GB/s per GPU), EFA 4 x 100 Gbps per machine (400 Gbps = "
-                 "50 GB/s per direction; a GPU's NIC 12.5 GB/s), FlashAttention-2 ~200 TFLOP/s "
-                 "(DESIGN.md section 6)", 1.0e12),
-    "p5": _gpu("p5", 370e9, 3200e9 / 8, 400e9 / 8, 600e12,
-               "8x H100 NVSwitch (~370 GB/s per GPU), EFA 32 x 100 Gbps per machine (3200 Gbps; "
-               "a GPU's NICs 50 GB/s), FlashAttention-3 ~600 TFLOP/s", 1.2e12),
-    "h100-ndr": _gpu("h100-ndr", 370e9, 8 * 48e9, 48e9, 600e12,
-                     "8x H100 NVSwitch, NDR InfiniBand 400 Gbps per GPU (~48 GB/s), "
-                     "FlashAttention-3 ~600 TFLOP/s", 1.2e12),
-}
+@functools.cache
+def gpu_costs(path: Path = GPU_COSTS_PATH) -> dict:
+    """What this code costs on a GPU, derived from a committed GPU suite run
+    (``tools/gpu_costs.py``, format ``GPU_COSTS_FORMAT``)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != GPU_COSTS_FORMAT:
+        raise ValueError(f"{path}: not a {GPU_COSTS_FORMAT} file; write it with "
+                         "python -m xfuser_swiftfusion.tools.gpu_costs RUN_DIR")
+    return data
+
+
+def _scaled(table: dict, f: float) -> dict:
+    """An attention table (JSON form) with every rate times ``f``; fp32 where not measured at
+    ``FP32_SCALE`` of bf16 (fp16 takes bf16's where not measured: ``HardwareProfile.flops``)."""
+    out = {dt: {int(D): tuple((lq, lk, r * f) for lq, lk, r in pts) for D, pts in t.items()}
+           for dt, t in table.items()}
+    out.setdefault("fp32", {D: tuple((lq, lk, r * FP32_SCALE) for lq, lk, r in pts)
+                            for D, pts in out["bf16"].items()})
+    return out
+
+
+def measured_gpu_profile(name: str, m: Machine, costs: dict, scale: float | None = None) -> HardwareProfile:
+    """``m``'s datasheet links with the compute and host costs of ``costs`` (``gpu_costs``):
+    kernel rates per launch shape, host per attend call, query chunk and transfer, device
+    time per query chunk, and the baseline's (xFuser's USP) own calls. Measured on
+    ``costs["run"]["gpu"]``; for another GPU the kernel rates are scaled by the ratio of
+    FlashAttention's datasheet rates on the two (host costs, which the CPU pays, are not);
+    ``scale``: that factor given (1: the costs were measured on ``m``'s GPU)."""
+    run = costs["run"]
+    measured_on = next((g for g in MACHINES_FLASH if g in run["gpu"]), m.gpu)
+    f = MACHINES_FLASH[m.gpu] / MACHINES_FLASH[measured_on] if scale is None else scale
+    ours, base = costs["ours"], costs["baseline"]
+    how = f"measured on {run['gpu']} at {run['commit']} ({run['dir']})"
+    if f != 1:
+        how_rates = (f"scaled: {how} x {f:.3g} ({FLASH_SOURCE[m.gpu]} on {m.gpu} / "
+                     f"{FLASH_SOURCE[measured_on]} on {measured_on}, DESIGN.md section 6)")
+    else:
+        how_rates = how
+    figures = {
+        "transfers": f"datasheet: {m.source} (DESIGN.md section 6); NCCL 15 us, NVSHMEM 3 us per message",
+        "barrier_s": "datasheet: a barrier on stream ~10-50 us (DESIGN.md section 6)",
+        "attention": f"{how_rates}: {ours['how']['attention']}" + (
+            "" if "fp32" in ours["attention"] else
+            f"; fp32 at {FP32_SCALE:.4g} of bf16 (datasheet ratio, A100 FP32 19.5 / BF16 312 TFLOP/s)"),
+        "chunk_s": f"{how}: {ours['how']['chunk_s']}",
+        "attend_call_s": f"{how}: {ours['how']['attend_call_s']} (the host's; not scaled)",
+        "merge_call_s": f"{how}: {ours['how']['merge_call_s']} (the host's; not scaled)",
+        "transfer_call_s": f"{how}: {ours['how']['transfer_call_s']} (the host's; not scaled)",
+        "copy_bw": (f"{how}: {costs['copy_how']}" if costs.get("copy_bw") else
+                    f"datasheet: {m.gpu} HBM {m.hbm / 1e12:.3g} TB/s, a copy reads and writes each byte"),
+        "baseline": (f"{'scaled: ' if f != 1 else ''}{base['how']}"
+                     + (f", GPU time x {1 / f:.3g} as the kernel rates" if f != 1 else "")),
+    }
+    baseline = {"attention": _scaled(base["attention"], f), "attend_call_s": base["attend_call_s"],
+                "merge_call_s": 0.0, "chunk_s": 0.0, "merge_s_per_elem": 0.0,
+                "transfer_call_s": base["transfer_call_s"]}
+    return HardwareProfile(
+        name=name, attention=_scaled(ours["attention"], f), attention_bh=ours["bh"],
+        attend_call_s=ours["attend_call_s"], transfer_call_s=ours["transfer_call_s"],
+        merge_s_per_elem=0.0, copy_bw=costs.get("copy_bw") or m.hbm / 2, merge_call_s=ours["merge_call_s"],
+        chunk_s=ours["chunk_s"], baseline=baseline, figures=figures,
+        source=(f"links {m.source}; compute and host: this code on {run['gpu']} at commit "
+                f"{run['commit']} ({run['dir']}, {run['date']})"
+                + (f", kernel rates x {f:.3g} for the {m.gpu}" if f != 1 else "")),
+        measured=dict(run), **_links(m))
+
+
+class _Profiles(Mapping):
+    """Built-in profiles by name, each built at its first use (the measured ones read
+    ``gpu_costs.json``)."""
+
+    def __init__(self, builders: dict) -> None:
+        self._builders, self._built = builders, {}
+
+    def __getitem__(self, name: str) -> HardwareProfile:
+        if name not in self._built:
+            self._built[name] = self._builders[name]()
+        return self._built[name]
+
+    def __iter__(self):
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+
+def _builtin(name: str) -> HardwareProfile:
+    """Built-in profile ``name``: its machine's links, the committed run's costs."""
+    return measured_gpu_profile(name, MACHINES[name], gpu_costs())
+
+
+MACHINES_FLASH = {m.gpu: m.flash for m in MACHINES.values()}
+GPU_PROFILES = _Profiles({
+    **{name: functools.partial(_builtin, name) for name in MACHINES},
+    **{f"{name}-datasheet": functools.partial(_datasheet, f"{name}-datasheet", m)
+       for name, m in MACHINES.items()},
+})
 PROFILES = (*GPU_PROFILES, "cpu-emulated")
 
 

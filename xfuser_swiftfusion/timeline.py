@@ -4,10 +4,12 @@ run against a hardware profile (``hardware.py``).
 Every op becomes nodes of one graph over all ranks; a node starts when the nodes it depends
 on finished:
 
-- the host issues each rank's ops in order, paying ``attend_call_s`` / ``transfer_call_s``
-  per call; with ``host_waits`` (CPU) it waits for each compute call and each wait or
-  barrier, otherwise (GPU) compute calls queue on the rank's compute stream and waits and
-  barriers order that stream, while the host runs ahead;
+- the host issues each rank's ops in order, paying ``attend_call_s`` (plus ``merge_call_s``
+  per query chunk) / ``transfer_call_s`` per call; with ``host_waits`` (CPU) it waits for
+  each compute call and each wait or barrier, otherwise (GPU) compute calls queue on the
+  rank's compute stream and waits and barriers order that stream, while the host runs ahead:
+  a call starts on the device once the host issued it, so a host slower than the device
+  makes the layer host-bound (``Result.host_s``: when each rank's host finished issuing);
 - a transfer starts after the host issued it and the compute stream reached it (a transfer
   is ordered after the compute issued before it, as on a CUDA side stream); two-sided
   messages start when both ends posted them (sends and receives of a pair match in order),
@@ -53,11 +55,13 @@ _EPS = 1e-12
 
 @dataclass
 class Result:
-    """Finish time of every rank and each rank's compute at full speed (no communication
-    beside it; on a shared host at the speed all ranks computing at once get)."""
+    """Finish time of every rank, each rank's compute at full speed (no communication beside
+    it; on a shared host at the speed all ranks computing at once get) and when its host
+    finished issuing its calls."""
 
     finish_s: list[float]
     compute_s: list[float]
+    host_s: list[float]
 
 
 class _Graph:
@@ -154,17 +158,17 @@ class _Builder:
         return t
 
     # -- programs
-    def build(self, programs: list[list[Op]]) -> list[int]:
-        """Nodes of the simulated ranks' programs (rank i: ``programs[i]``); the node where
-        each is done."""
+    def build(self, programs: list[list[Op]], ranks: list[int] | None = None) -> list[int]:
+        """Nodes of the simulated ranks' programs (rank ``ranks[i]``, default i:
+        ``programs[i]``); the node where each is done (``self.hosts``: where its host is)."""
         g, p = self.g, self.p
         sync = p.host_waits
-        ends, self.compute_s = [], []
+        ends, self.compute_s, self.hosts = [], [], []
         msgs: dict[tuple, list] = defaultdict(list)  # (pair key, queue, kind) -> its ends
         barriers: dict[tuple, list] = defaultdict(list)  # (ranks, quiet) -> per instance arrivals
         seen_barrier: dict[tuple, int] = defaultdict(int)
         self.transfers: list[tuple] = []  # (rank, op, issue node, completion node)
-        for rank, ops in enumerate(programs):
+        for rank, ops in zip(ranks or range(len(programs)), programs):
             host = stream = self.start
             handles: dict[str, int] = {}
             open_: list[int] = []
@@ -174,8 +178,8 @@ class _Builder:
                 if isinstance(op, (Attend, Copy)):
                     secs = self._seconds(op)
                     busy += secs
-                    if isinstance(op, Attend) and p.attend_call_s:
-                        host = g.add([host], _DELAY, p.attend_call_s)
+                    if isinstance(op, Attend) and (p.attend_call_s or p.merge_call_s):
+                        host = g.add([host], _DELAY, p.attend_call_s + len(op.q) * p.merge_call_s)
                     stream = self.compute(rank, secs, [host, stream])
                     if sync:
                         host = stream
@@ -221,6 +225,7 @@ class _Builder:
                     if sync:
                         host = stream
             ends.append(g.add([host, stream, *open_]))
+            self.hosts.append(host)
             self.compute_s.append(busy / self.full_share)
         self._match(msgs)
         return ends
@@ -312,10 +317,12 @@ def _run(g: _Graph, caps: dict) -> list[float]:
             speed = _allocate(active, g.demand, caps)
             dirty = False
         t_next = delays[0][0] if delays else math.inf
+        ends = {}  # when each job in flight would end at its speed now
         for j, w in active.items():
             s = speed[j]
             if s > 0:
-                t_next = min(t_next, now + remaining[j] * w / s)
+                ends[j] = now + remaining[j] * w / s
+                t_next = min(t_next, ends[j])
         if not math.isfinite(t_next):
             raise RuntimeError("timeline stalled: jobs in flight make no progress")
         dt = t_next - now
@@ -323,7 +330,9 @@ def _run(g: _Graph, caps: dict) -> list[float]:
         finished = []
         for j, w in active.items():
             remaining[j] -= dt * speed[j] / w
-            if remaining[j] <= 1e-9:
+            # by its end time too: late in a long timeline a short job's rest can fall below
+            # the clock's resolution (now + rest == now), and it would never end
+            if remaining[j] <= 1e-9 or ends.get(j, math.inf) <= t_next:
                 finished.append(j)
         for j in finished:
             del active[j], remaining[j]
@@ -380,7 +389,24 @@ def simulate(programs: list[list[Op]], topology: Topology, profile: HardwareProf
     finish = _run(b.g, b.caps)
     n = len(ends)
     return Result([finish[ends[x % n]] for x in range(topology.world_size)],
-                  [b.compute_s[x % n] for x in range(topology.world_size)])
+                  [b.compute_s[x % n] for x in range(topology.world_size)],
+                  [finish[b.hosts[x % n]] for x in range(topology.world_size)])
 
 
-__all__ = ["Result", "simulate"]
+def simulate_alone(ops: list[Op], rank: int, topology: Topology, profile: HardwareProfile,
+                   dtype: str, head_dim: int) -> Result:
+    """Rank ``rank``'s program with no other rank there (the GPU suite's replay: one GPU runs
+    one rank's layer): its one-sided transfers run on it alone, its barriers end when it
+    arrives; a two-sided transfer, which needs its peer, is an error. ``Result``'s lists hold
+    that rank only."""
+    two = [op.kind for op in ops if isinstance(op, Transfer) and op.kind not in ("get", "put")]
+    if two:
+        raise ValueError(f"rank {rank}'s program makes two-sided transfers ({', '.join(sorted(set(two)))}): "
+                         "they cannot run without their peers")
+    b = _Builder(topology, profile, dtype, head_dim)
+    (end,) = b.build([ops], [rank])
+    finish = _run(b.g, b.caps)
+    return Result([finish[end]], b.compute_s, [finish[b.hosts[0]]])
+
+
+__all__ = ["Result", "simulate", "simulate_alone"]

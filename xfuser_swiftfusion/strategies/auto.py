@@ -9,7 +9,9 @@ shared between signatures that pick the same (strategy, degree).
 
 Hardware profile: ``$SWIFTFUSION_HARDWARE``, a built-in profile's name or a profile file that
 ``swiftfusion calibrate`` measured on this cluster; unset: ``cpu-emulated`` on CPU tensors,
-``p4de`` on CUDA. The model never predicts the choice slower than default ``usp``.
+``p4de`` on CUDA (datasheet links, this code's measured GPU costs). The model never predicts
+the choice slower than default ``usp``; where it picks ``usp``, rank 0 says why once per
+profile and topology (``cost_model.why_baseline``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ..cost_model import Workload, candidates, get_profile, recommend
+from ..cost_model import Workload, candidates, get_profile, recommend, why_baseline
 from ..hardware import HARDWARE_ENV
 from ..log import get_logger, log_once
 from ..mesh import Mesh, choose_mesh
@@ -126,6 +128,10 @@ class AutoAttention:
                          f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
                          f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
                          f"({profile} profile); predicted per layer: {alts}", logging.INFO)
+                why = why_baseline(best, cands, get_profile(hardware_profile_name(q.device), self.topology))
+                if why:
+                    log_once(logger, f"auto-why-{profile}-{self.topology}",
+                             f"auto (why {best.strategy}): {why}")
         k, v, joint, kwargs = call_args(child.spec, q, k, v, joint, key_mask)
         return child(q, k, v, joint, scale, **kwargs)
 

@@ -24,6 +24,9 @@ figure the median over ``reps`` repetitions of the slowest rank's time:
 On a shared host (CPU ranks) compute rates are stored per core (``host_cores``), so the
 timeline shares the cores among the ranks as the host does. Output: a table and the profile
 file (``hardware.py``), for ``--hardware PATH`` / ``SWIFTFUSION_HARDWARE=PATH``.
+
+``--links p4de|p5|h100-ndr``: one GPU instead, no peers (``calibrate_gpu.py``): this code's
+costs on it and the links of that built-in profile.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..hardware import FANOUT_1, LOCALITIES, HardwareProfile, Rate, host_cpu, save_profile
+from ..hardware import FANOUT_1, LOCALITIES, MACHINES, HardwareProfile, Rate, host_cpu, save_profile
 from ..strategies.ops import KINDS, Attend
 from ..topology import Topology
 
@@ -509,9 +512,32 @@ def add_arguments(p) -> None:
     p.add_argument("--comm", default="auto", help="one-sided communicator (auto: nvshmem on GPUs)")
     p.add_argument("--quick", action="store_true", help="small sizes and grid (a smoke test)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-wait timeout in seconds")
+    g = p.add_argument_group("one GPU (calibrate_gpu.py): this code's costs on this GPU, the links "
+                             "of a built-in profile")
+    g.add_argument("--links", choices=sorted(MACHINES), default=None,
+                   help="measure one GPU (no torchrun): kernel rates over the Torus launch shapes "
+                        "and --dtypes, host cost per call and per transfer (the replay), copies, "
+                        "xFuser USP's compute; links, barriers and NIC shares of this profile")
+    g.add_argument("--allow-cpu", action="store_true",
+                   help="with --links and no CUDA device: the CPU stand-ins, to try the command")
+
+
+def _cmd_one_gpu(args) -> int:
+    from .calibrate_gpu import calibrate_one_gpu
+    if args.emulate:
+        raise ValueError("--links measures one GPU in this process; it takes no --emulate")
+    name = args.name or os.path.splitext(os.path.basename(args.out))[0]
+    prof, table = calibrate_one_gpu(args.links, args.out, name, tuple(args.dtypes.split(",")),
+                                    args.quick, args.allow_cpu)
+    save_profile(prof, args.out)
+    print(table)
+    print(f"wrote {args.out} (use: --hardware {args.out} or SWIFTFUSION_HARDWARE={args.out})")
+    return 0
 
 
 def cmd_calibrate(args) -> int:
+    if args.links:
+        return _cmd_one_gpu(args)
     from ..emulation.netns import link_from_args
     cfg = CalibrateConfig(tuple(int(x) for x in args.head_dims.split(",")),
                           tuple(args.dtypes.split(",")),

@@ -1,7 +1,8 @@
 """The ``swiftfusion`` command: ``plan``, ``calibrate``, ``check``, ``compare`` and
 ``compare-diffusers``.
 
-- ``swiftfusion plan``: mesh and inter-machine bytes of every strategy on a cluster shape.
+- ``swiftfusion plan``: mesh, inter-machine bytes and the predicted latency per layer (with
+  its GPU and host time) of every strategy on a cluster shape, and what ``auto`` picks.
 - ``swiftfusion calibrate``: this cluster's rates, measured, as a hardware profile file
   (``calibrate.py``) for ``--hardware PATH`` / ``SWIFTFUSION_HARDWARE=PATH``.
 - ``swiftfusion check``: every strategy against single-device attention, on the current
@@ -39,9 +40,10 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     """Per strategy, as ``init_sequence_parallel`` runs it at the default degree: the
     strategy that runs, its heads (``heads`` > H: zero-padded for the Torus schedule, unless
     ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
-    attention layer on ``hardware`` (a built-in profile's name or a profile file);
-    ``"recommended"``: the (strategy, degrees) ``auto`` would pick."""
-    from ..cost_model import Workload, get_profile, predict, recommend
+    attention layer on ``hardware`` (a built-in profile's name or a profile file), with the
+    slowest rank's GPU compute and host issue time beside it; ``"recommended"``: the
+    (strategy, degrees) ``auto`` would pick, and where that is the baseline, why."""
+    from ..cost_model import Workload, candidates, get_profile, predict, recommend, why_baseline
     topo = Topology(nodes, gpus_per_node)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
     profile = get_profile(hardware, topo)
@@ -55,6 +57,7 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
         paper = paper_inter_node_elements_per_machine(
             spec.placement, nodes, gpus_per_node, mesh.ulysses,
             batch, seq_len, h, head_dim) / gpus_per_node
+        pred = predict(name, topo, work, profile, pad_heads=pad_heads)
         out[name] = {
             "runs_as": runs.name, "heads": h,
             "ulysses_degree": mesh.ulysses, "ring_degree": mesh.ring,
@@ -62,23 +65,27 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
             "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
             "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
             "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
-            "predicted_latency_s": predict(name, topo, work, profile,
-                                           pad_heads=pad_heads).latency_s,
+            "predicted_latency_s": pred.latency_s, "predicted_gpu_s": pred.compute_s,
+            "predicted_host_s": pred.host_s,
         }
-    best = recommend(topo, work, profile)
+    cands = candidates(topo, work, profile)
+    best = recommend(topo, work, profile, cands=cands)
     out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
                           "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
-                          "hardware": profile.name}
+                          "hardware": profile.name, "costs": profile.origin(),
+                          "why": why_baseline(best, cands, profile)}
     return out
 
 
 def _print_plan(p: dict[str, dict], args) -> None:
-    print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
-          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and "
-          f"predicted latency per layer ({args.hardware})")
-    print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} "
-          f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13}")
     rec = p["recommended"]
+    print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
+          f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and the "
+          f"predicted time per layer on profile {rec['hardware']} ({rec['costs']}); GPU: the "
+          "slowest rank's compute, host: its time to issue the layer's calls")
+    print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} "
+          f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13} {'GPU ms':>8} "
+          f"{'host ms':>8}")
     padded = []
     for name, r in p.items():
         if name != "recommended":
@@ -88,9 +95,12 @@ def _print_plan(p: dict[str, dict], args) -> None:
             print(f"{name:<12} {r['runs_as']:<12} {heads:>8} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
                   f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
                   f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
-                  f"{r['predicted_latency_s'] * 1e3:>13.3f}")
+                  f"{r['predicted_latency_s'] * 1e3:>13.3f} {r['predicted_gpu_s'] * 1e3:>8.3f} "
+                  f"{r['predicted_host_s'] * 1e3:>8.3f}")
     print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
-          f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer")
+          f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer (a prediction)")
+    if rec["why"]:
+        print(f"why: {rec['why']}")
     if padded:
         print(f"zero-padded heads so the Torus schedule runs: {', '.join(padded)}; compute and "
               "bytes above are the padded run's (--no-pad-heads: the fallback instead)")
@@ -183,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", choices=sorted(BYTES), default="bf16")
     pl.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     pl.add_argument("--hardware", default=os.environ.get(HARDWARE_ENV, "p4de"), metavar="NAME|PATH",
-                    help="cost-model profile: p4de, p5, h100-ndr, cpu-emulated, or a file written "
-                         f"by swiftfusion calibrate (default ${HARDWARE_ENV}, else p4de)")
+                    help="cost-model profile: p4de, p5, h100-ndr (datasheet links, this code's "
+                         "measured GPU costs), their -datasheet twins, cpu-emulated, or a file "
+                         f"written by swiftfusion calibrate (default ${HARDWARE_ENV}, else p4de)")
     pl.add_argument("--no-pad-heads", dest="pad_heads", action="store_false",
                     help="torus/swiftfusion: the fallback where the default mesh does not fit the "
                          "machines, instead of zero-padded heads (options={'pad_heads': False})")
