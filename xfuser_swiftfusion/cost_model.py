@@ -83,15 +83,18 @@ def _mesh(spec: StrategySpec, topology: Topology, workload: Workload, ulysses_de
     return mesh, spec.resolve(mesh, log=False), workload
 
 
-def programs(spec: StrategySpec, mesh: Mesh, w: Workload) -> list[list]:
-    """Every rank's ops (``strategies/ops.py``) for one layer of ``w`` under ``spec``."""
+def programs(spec: StrategySpec, mesh: Mesh, w: Workload, launches: str | None = None) -> list[list]:
+    """Every rank's ops (``strategies/ops.py``) for one layer of ``w`` under ``spec``, with the
+    Torus strategies' attention ``launches`` (``"ring"`` / ``"stage"``; None: their program's
+    default) where the spec has launch modes."""
     W = mesh.world_size
     if w.seq_len % W:
         raise TopologyError(f"sequence length {w.seq_len} is not divisible by the SP degree {W}")
     if spec.program is None:
         raise ValueError(f"no cost model for strategy {spec.name!r} (it has no program)")
     shape = Shape(w.batch, w.seq_len // W, w.heads, w.head_dim, 0, BYTES[w.dtype])
-    return [spec.program(mesh, x, shape) for x in range(W)]
+    kw = {"launches": launches} if launches is not None and spec.launch_modes else {}
+    return [spec.program(mesh, x, shape, **kw) for x in range(W)]
 
 
 def predict(strategy: str, topology: Topology, workload: Workload, profile: HardwareProfile,
@@ -103,7 +106,7 @@ def predict(strategy: str, topology: Topology, workload: Workload, profile: Hard
     spec = get(strategy)
     mesh, runs, w = _mesh(spec, topology, workload, ulysses_degree, pad_heads)
     prof = profile.for_baseline() if runs.baseline else profile
-    res = simulate(programs(runs, mesh, w), topology, prof, w.dtype, w.head_dim)
+    res = simulate(programs(runs, mesh, w, prof.launches), topology, prof, w.dtype, w.head_dim)
     x = max(range(len(res.finish_s)), key=res.finish_s.__getitem__)
     per_rank = counted_inter_node_elements(mesh, w.batch, w.seq_len, w.heads, w.head_dim, runs.ring)
     return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement,

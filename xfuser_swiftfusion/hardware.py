@@ -36,10 +36,14 @@ Rates (docs/cost-model.md):
 - ``baseline``: the compute costs of the baseline strategy (xFuser's USP, whose code, not
   ours, makes its attention calls) where they were measured apart (``attention``,
   ``attend_call_s``, ...); empty: ours;
-- ``figures``: per figure, how it was obtained (measured, scaled and how, datasheet).
+- ``figures``: per figure, how it was obtained (measured, scaled and how, datasheet);
+- ``launches``: the Torus strategies' attention launches its costs belong to (``"ring"``: one
+  per ring step, as the CPU emulation and the committed GPU run make them; ``"stage"``: one
+  per Torus stage and query entry, what those strategies make on CUDA): the programs the
+  timeline runs on it.
 
 File format (``format: swiftfusion-hardware/2``; ``/1`` files, without ``chunk_s``,
-``merge_call_s``, ``baseline``, ``figures``, load with those at their defaults): the fields
+``merge_call_s``, ``baseline``, ``figures``, ``launches``, load with those at their defaults): the fields
 above by name, ``attention`` (and ``baseline.attention``) as ``{dtype: {D: [[Lq, Lk, flops],
 ...]}}``, ``transfers`` as ``{kind: {locality: {bw, latency_s, cpu_s_per_byte}}}``, and
 ``measured`` (how and where: command, topology, host, device, date; for the built-in GPU
@@ -107,6 +111,7 @@ class HardwareProfile:
     chunk_s: float = 0.0
     baseline: dict = field(default_factory=dict)
     figures: dict = field(default_factory=dict)
+    launches: str = "ring"
 
     def rate(self, kind: str, locality: str, fanout: int | None = None) -> Rate:
         """The rate of ``kind`` at ``locality``; across machines with ``fanout`` 1 (the
@@ -312,6 +317,7 @@ def measured_gpu_profile(name: str, m: Machine, costs: dict, scale: float | None
     figures = {
         "transfers": f"datasheet: {m.source} (DESIGN.md section 6); NCCL 15 us, NVSHMEM 3 us per message",
         "barrier_s": "datasheet: a barrier on stream ~10-50 us (DESIGN.md section 6)",
+        "launches": f"{how}: the Torus strategies' launches of that run ({run.get('launches', 'ring')})",
         "attention": f"{how_rates}: {ours['how']['attention']}" + (
             "" if "fp32" in ours["attention"] else
             f"; fp32 at {FP32_SCALE:.4g} of bf16 (datasheet ratio, A100 FP32 19.5 / BF16 312 TFLOP/s)"),
@@ -332,6 +338,7 @@ def measured_gpu_profile(name: str, m: Machine, costs: dict, scale: float | None
         attend_call_s=ours["attend_call_s"], transfer_call_s=ours["transfer_call_s"],
         merge_s_per_elem=0.0, copy_bw=costs.get("copy_bw") or m.hbm / 2, merge_call_s=ours["merge_call_s"],
         chunk_s=ours["chunk_s"], baseline=baseline, figures=figures,
+        launches=run.get("launches", "ring"),
         source=(f"links {m.source}; compute and host: this code on {run['gpu']} at commit "
                 f"{run['commit']} ({run['dir']}, {run['date']})"
                 + (f", kernel rates x {f:.3g} for the {m.gpu}" if f != 1 else "")),

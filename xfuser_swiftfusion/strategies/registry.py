@@ -77,7 +77,9 @@ class StrategySpec:
     those groups where they already exist in this process, else None (the only degree the spec
     can then run). ``order``: tie-break rank and listing order.
     ``native``: call features it runs itself (``"gqa"``: K/V with fewer heads, ``"key_mask"``:
-    a ``KeyMask`` keyword); ``call_args`` adapts a call to the others.
+    a ``KeyMask`` keyword); ``call_args`` adapts a call to the others. ``launch_modes``: the
+    values of its ``launches`` option, which its ``program`` takes as a keyword (the first:
+    the default of its program).
     """
 
     name: str
@@ -94,6 +96,7 @@ class StrategySpec:
     built_ulysses: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
     order: int = 100
     native: tuple[str, ...] = ()
+    launch_modes: tuple[str, ...] = ()
 
     def runs_on(self, mesh: Mesh) -> bool:
         return mesh.torus_ready or not self.needs_torus

@@ -328,4 +328,4 @@ SPEC = register(StrategySpec(
     program=lambda mesh, rank, shape, launches="ring": torus_ops(OneSidedTorusOps(mesh, rank, shape),
                                                                  launches), ring="pull",
     one_sided=True, needs_torus=True,
-    fallback="tas", order=3, native=NATIVE))
+    fallback="tas", order=3, native=NATIVE, launch_modes=("ring", "stage")))

@@ -635,4 +635,4 @@ SPEC = register(StrategySpec(
     "overlapped with attention", build=build_torus,
     program=lambda mesh, rank, shape, launches="ring": torus_ops(TwoSidedTorusOps(mesh, rank, shape),
                                                                  launches), needs_torus=True,
-    fallback="tas", order=2, native=NATIVE))
+    fallback="tas", order=2, native=NATIVE, launch_modes=("ring", "stage")))

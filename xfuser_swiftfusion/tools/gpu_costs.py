@@ -61,10 +61,13 @@ from ..timeline import simulate_alone
 from ..topology import Topology
 from .gpu_suite.kernel import MODELS, ModelShape
 
-# The launch mode of the Torus strategies' programs that the committed run executed: today's
-# programs, one attend call per ring step (44 per Flux layer, 29 per CogVideoX layer). Once
-# ``program`` takes a launch mode, name the run's here, e.g. {"launches": "ring"}.
-PROGRAM_KW: dict = {}
+# The launch mode of the Torus strategies' programs in a run whose replay rows do not name it
+# (runs before execution plans: one attend call per ring step, 44 per Flux layer, 29 per
+# CogVideoX layer); a newer run's rows carry it (``launch_mode``).
+DEFAULT_LAUNCHES = "ring"
+# The replay variant whose costs the profiles take from a run that has several (its rows'
+# ``variant``): the layer as users run it on CUDA.
+PRODUCTION_VARIANT = "plan + CUDA graph"
 
 USP_MEASURED = {
     "how": ("measured: xFuser 0.7's USP compute on rank 0 of 4 x 8 (Ulysses 8 inside, ring 4 "
@@ -113,17 +116,18 @@ def _rel(run: Path) -> str:
     return "/".join(parts[parts.index("benchmarks"):]) if "benchmarks" in parts else str(run)
 
 
-def replay_program(model: ModelShape, nodes: int = 4, gpus: int = 8) -> list[Op]:
+def replay_program(model: ModelShape, launches: str = DEFAULT_LAUNCHES, nodes: int = 4,
+                   gpus: int = 8) -> list[Op]:
     """Rank 0's ``swiftfusion`` program for ``model`` on ``nodes`` x ``gpus`` as the replay
     executes its layer (``replay.build_layer``): the mesh and heads of ``torus_mesh``, S =
     ceil(image tokens / W) rows per rank, the text tokens as joint tensors where the model
-    passes them so; the launch mode ``PROGRAM_KW``. The one place the replay's program is
-    built (the checks assert its attend calls are the run's)."""
+    passes them so; ``launches``: the run's launch mode. The one place the replay's program
+    is built (the checks assert its attend calls are the run's)."""
     topo = Topology(nodes, gpus)
     mesh, heads = torus_mesh(topo, model.heads)
     S = -(-(model.tokens - model.joint) // topo.world_size)
     shape = Shape(1, S, heads, model.head_dim, model.joint, 2)
-    return _swiftfusion().program(mesh, 0, shape, **PROGRAM_KW)
+    return _swiftfusion().program(mesh, 0, shape, launches=launches)
 
 
 def _swiftfusion():
@@ -150,16 +154,45 @@ def speed_rows(rows: list[dict]) -> list[dict]:
 
 
 def replay_rows(rows: list[dict], models=MODELS) -> dict[str, dict]:
-    """Per model, the replay row that timed host and GPU (``host_ms``): of the backend the
-    speed stage found fastest in bf16 (the replay's dtype) where several did."""
+    """Per model, the replay row that timed host and GPU (``host_ms``) of our layer: of the
+    backend the speed stage found fastest in bf16 (the replay's dtype) where several did, and,
+    in a run whose rows name variants, the one users run (``PRODUCTION_VARIANT``, else the
+    eager plan); xFuser's USP row is not ours (``usp_rows``)."""
     fastest = statistics.mode(r["data"]["fastest"] for r in speed_rows(rows) if _dtype(r) == "bf16")
     out: dict[str, dict] = {}
     for m in models:
         timed = [r["data"] for r in rows if r["stage"] == "replay" and r["case"].startswith(f"{m.name} rank 0")
-                 and r["data"].get("host_ms") is not None]
+                 and r["data"].get("host_ms") is not None and not r["data"].get("usp")]
+        named = [d for v in (PRODUCTION_VARIANT, "plan") for d in timed if d.get("variant") == v]
+        timed = named or timed
         if timed:
             out[m.name] = next((d for d in timed if d["backend"] == fastest), timed[0])
     return out
+
+
+def usp_rows(rows: list[dict], models=MODELS) -> dict | None:
+    """xFuser's USP on the replay's rank (the replay's ``USP`` row, where the run has one) in
+    ``USP_MEASURED``'s form, else None."""
+    found = []
+    for m in models:
+        row = next((r for r in rows if r["stage"] == "replay" and r["case"].startswith(f"{m.name} rank 0")
+                    and r["data"].get("usp") and r["data"].get("host_ms") is not None), None)
+        if row is None:
+            continue
+        d = row["data"]
+        W, U, R = 32, d["U"], d["R"]
+        S = -(-(m.tokens - m.joint) // W)
+        queries = U * (S + m.joint)  # xFuser concatenates the text before the all-to-all
+        found.append({"model": m.name, "heads": m.heads // U, "queries": queries,
+                      "keys": R * U * S + m.joint, "head_dim": m.head_dim, "calls": R,
+                      "gpu_ms": d.get("attention_gpu_ms", d["gpu_ms"]), "host_ms": d["host_ms"]})
+    if not found:
+        return None
+    return {"how": ("measured: the run's replay of xFuser 0.7's USP on rank 0 of 4 x 8 (Ulysses "
+                    "inside, ring across: one attention call with log-sum-exp per ring block and "
+                    "torch's merge, GPU time of those alone; host time of the whole layer, its "
+                    "all-to-alls as device copies; gpu_suite/usp_layer.py)"),
+            "rows": found}
 
 
 def kernel_table(speed: list[dict], backend: str) -> dict:
@@ -220,9 +253,9 @@ def replay_profile(costs: dict) -> HardwareProfile:
 
 def predict_replay(costs: dict, model: ModelShape) -> tuple[float, float]:
     """(GPU seconds with the host ahead, host seconds) of rank 0's layer of ``model`` in the
-    replay's world (``replay_profile``)."""
+    replay's world (``replay_profile``), with the run's launches."""
     prof = replay_profile(costs)
-    ops = replay_program(model)
+    ops = replay_program(model, _launches(costs))
     dtype = "bf16"
     topo = Topology(4, 8)
     ahead = replace(prof, attend_call_s=0.0, merge_call_s=0.0, transfer_call_s=0.0)
@@ -258,25 +291,35 @@ def baseline_costs(usp: dict) -> dict:
             "transfer_call_s": 0.0, "how": usp["how"]}
 
 
-def derive(rows: list[dict], run: dict, baseline: dict = USP_MEASURED, models=MODELS,
+def _launches(costs: dict) -> str:
+    return costs["run"].get("launches", DEFAULT_LAUNCHES)
+
+
+def derive(rows: list[dict], run: dict, baseline: dict | None = None, models=MODELS,
            copy: dict | None = None) -> dict:
     """The costs file (``GPU_COSTS_FORMAT``) of a run's ``rows`` (module docstring);
+    ``baseline``: USP's measured compute (default: the run's USP row, else ``USP_MEASURED``);
     ``copy``: ``{"copy_bw", "copy_how"}`` where the copy rate was measured (else the GPU's
     datasheet rate serves)."""
     replays = replay_rows(rows, models)
     if not replays:
         raise ValueError("the run has no replay row with host and GPU time")
+    baseline = baseline or usp_rows(rows, models) or USP_MEASURED
+    modes = {d.get("launch_mode", DEFAULT_LAUNCHES) for d in replays.values()}
+    if len(modes) != 1:
+        raise ValueError(f"the run's replay rows mix launch modes {sorted(modes)}")
+    run = {**run, "launches": modes.pop()}
     backend = next(iter(replays.values()))["backend"]
     speed = speed_rows(rows)
     table = kernel_table(speed, backend)
     merge, merge_how = merge_host_s(speed, backend)
     shapes = [m for m in models if m.name in replays]
-    progs = {m.name: replay_program(m) for m in shapes}
+    progs = {m.name: replay_program(m, run["launches"]) for m in shapes}
     for m in shapes:
         if attend_calls(progs[m.name]) != replays[m.name]["attend_calls"]:
-            raise ValueError(f"{m.name}: rank 0's program makes {attend_calls(progs[m.name])} attend calls, "
-                             f"the run's layer made {replays[m.name]['attend_calls']}: set PROGRAM_KW to "
-                             "the run's launch mode")
+            raise ValueError(f"{m.name}: rank 0's program ({run['launches']} launches) makes "
+                             f"{attend_calls(progs[m.name])} attend calls, the run's layer made "
+                             f"{replays[m.name]['attend_calls']}")
     counts = {n: _counts(p) for n, p in progs.items()}  # (attend calls, query chunks, transfers)
     host = [replays[n]["host_ms"] * 1e-3 for n in progs]
     a, t = _least_squares([[counts[n][0] for n in progs], [counts[n][2] for n in progs]],
@@ -322,7 +365,7 @@ def check_replay(costs: dict, models=MODELS) -> list[dict]:
                     "gpu_err": gpu * 1e3 / row["gpu_ms"] - 1, "host_ms": row["host_ms"],
                     "predicted_host_ms": host * 1e3, "host_err": host * 1e3 / row["host_ms"] - 1,
                     "attend_calls": row["attend_calls"],
-                    "program_attend_calls": attend_calls(replay_program(m))})
+                    "program_attend_calls": attend_calls(replay_program(m, _launches(costs)))})
     return out
 
 

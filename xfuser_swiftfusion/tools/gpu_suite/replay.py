@@ -254,11 +254,13 @@ def build_layer(model: ModelShape, device: torch.device, dtype: torch.dtype = to
                        usp.ulysses, usp.ring)
 
 
-def usp_layer(r: ReplayLayer, name: str) -> UspLayer:
+def usp_layer(r: ReplayLayer, name: str, collectives: bool = True) -> UspLayer:
     """xFuser's USP on the same rank (``usp_layer.py``) with backend ``name``'s attention op
-    (``cudnn``, ``torch``: torch's flash attention, ``flash``: flash-attn, ``cpu``)."""
+    (``cudnn``, ``torch``: torch's flash attention, ``flash``: flash-attn, ``cpu``);
+    ``collectives=False``: its attention calls and merges alone."""
     joint = None if r.joint is None else (r.joint.q, r.joint.k, r.joint.v)
-    return build_usp(r.q, r.k, r.v, joint, r.usp_ulysses, r.usp_ring, r.scale, _usp_op(name))
+    return build_usp(r.q, r.k, r.v, joint, r.usp_ulysses, r.usp_ring, r.scale, _usp_op(name),
+                     collectives)
 
 
 def _usp_op(name: str):
@@ -399,6 +401,7 @@ def _usp_row(w: RowWriter, r: ReplayLayer, names: list[str], where: str, quick: 
     try:
         layer = usp_layer(r, op)
         gpu, how = kernel_ms(layer, device, quick)
+        attention = kernel_ms(usp_layer(r, op, collectives=False), device, quick)[0]
         host = host_and_gpu_ms(layer, device, 3 if quick else 5)[0] if device.type == "cuda" else gpu
         launches = kernel_launches(layer, device)
     except Exception as exc:  # noqa: BLE001
@@ -406,11 +409,12 @@ def _usp_row(w: RowWriter, r: ReplayLayer, names: list[str], where: str, quick: 
               f"{type(exc).__name__}: {exc}"[:400])
         return None
     w.add(f"{where}: USP (xFuser's ring on this rank)", "INFO",
-          f"GPU {gpu:.2f} ms ({how}), host {host:.2f} ms per layer; Ulysses {r.usp_ulysses} x ring "
-          f"{r.usp_ring}, {launches['attention']} attention launches ({_label(op)}) and torch's "
-          "merge; its all-to-alls as device copies", backend=op, usp=True, gpu_ms=gpu,
-          host_ms=host, gpu_how=how, launches=launches["attention"], kernels=launches["kernels"],
-          U=r.usp_ulysses, R=r.usp_ring, stand_in=device.type != "cuda")
+          f"GPU {gpu:.2f} ms ({how}; its attention calls and merges alone {attention:.2f} ms), "
+          f"host {host:.2f} ms per layer; Ulysses {r.usp_ulysses} x ring {r.usp_ring}, "
+          f"{launches['attention']} attention launches ({_label(op)}) and torch's merge; its "
+          "all-to-alls as device copies", backend=op, usp=True, gpu_ms=gpu,
+          attention_gpu_ms=attention, host_ms=host, gpu_how=how, launches=launches["attention"],
+          kernels=launches["kernels"], U=r.usp_ulysses, R=r.usp_ring, stand_in=device.type != "cuda")
     return gpu
 
 

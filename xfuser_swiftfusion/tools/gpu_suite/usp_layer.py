@@ -72,14 +72,23 @@ class UspLayer:
     R: int
     scale: float
     op: AttnOp
+    collectives: bool = True  # False: the attention calls and merges alone (USP's compute)
 
     def __call__(self) -> torch.Tensor:
-        U, R = self.U, self.R
+        U = self.U
         q, k, v = self.q, self.k, self.v
         if self.joint is not None:  # xFuser concatenates the text queries before the all-to-all
             q = torch.cat([self.joint[0], q], dim=2)
+        if not self.collectives:  # the shapes after the all-to-alls, none of their copies
+            return self._ring(*(x.reshape(1, x.shape[1] // U, U * x.shape[2], x.shape[3])
+                                for x in (q, k, v)))
         q, k, v = _a2a_in(q, U), _a2a_in(k, U), _a2a_in(v, U)   # [1, H/U, U*S(+Tj), D]
-        if R > 1:  # torch's default rotation: K/V of the ring all-gathered once (R - 1 blocks)
+        return _a2a_out(self._ring(q, k, v), U)  # text rows ride along, as in xFuser
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Ring attention of ``q`` against ``R`` blocks like ``k, v`` (``[1, H/U, L, D]``)."""
+        R = self.R
+        if R > 1 and self.collectives:  # torch's default rotation: K/V of the ring all-gathered once
             kv = torch.cat([k, v]).flatten()
             gathered = torch.empty(R - 1, kv.numel(), dtype=kv.dtype, device=kv.device)
             gathered.copy_(kv.expand(R - 1, -1))
@@ -93,16 +102,16 @@ class UspLayer:
                 vb = torch.cat([self.joint[2][:, g0], v], dim=2)
             out, lse = self.op(q, kb, vb, self.scale)
             merger.step(out, lse[..., :q.shape[2]] if lse.dim() == 3 else lse, False)
-        return _a2a_out(merger.results()[0], U)  # text rows ride along, as in xFuser
+        return merger.results()[0]
 
 
 def build_usp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, U: int, R: int,
-              scale: float, op: AttnOp) -> UspLayer:
+              scale: float, op: AttnOp, collectives: bool = True) -> UspLayer:
     """``UspLayer`` for rank 0's inputs; ``U`` must divide the heads."""
     if q.shape[1] % U:
         raise ValueError(f"USP: {q.shape[1]} heads do not split over Ulysses degree {U}")
-    return UspLayer(q, k, v, joint, U, R, scale, op)
+    return UspLayer(q, k, v, joint, U, R, scale, op, collectives)
 
 
 __all__ = ["UspLayer", "build_usp"]
