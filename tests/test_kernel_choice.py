@@ -11,7 +11,7 @@ launch-configuration table.
 * The measured choice table: a fake table (env ``SWIFTFUSION_KERNEL_TABLE``) orders the
   automatic choice for its architecture and shapes; without a table or an entry, the default
   rule holds.
-* flash backend: one flash_attn_func call per Q chunk on the concatenated K/V.
+* flash backend: one flash_attn_func call on the joined Q chunks and the joined K/V.
 * Triton table: ``pick_config``'s small-grid rule; every entry AOT-compiled for every GPU it
   serves (shared memory fits, no register spills); every entry's tile shape run under the
   Triton interpreter (subprocess: TRITON_INTERPRET must be set before triton is imported)
@@ -251,8 +251,8 @@ def test_torch_backend_merge_matches_reference(dtype, D):
     op = _cpu_op()
     torch_cuda.attend_torch(q_chunks, kv_chunks[:2], states, scale, op=op)
     torch_cuda.attend_torch(q_chunks, kv_chunks[2:], states, scale, op=op)
-    # one op call per non-empty Q chunk and call, each on all of that call's keys
-    assert [c[:2] for c in op.calls] == [(5, 7), (33, 7), (70, 7), (5, 41), (33, 41), (70, 41)]
+    # one op call per attend_torch call: every non-empty Q chunk joined, against all its keys
+    assert [c[:2] for c in op.calls] == [(108, 7), (108, 41)]
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[dtype])
 
@@ -316,7 +316,7 @@ def test_cudnn_backend_merge_matches_reference(monkeypatch, dtype, D):
     states = [new_state(q) for q in q_chunks]
     torch_cuda.attend_torch(q_chunks, kv_chunks[:2], states, scale, op=torch_cuda.cudnn_op)
     torch_cuda.attend_torch(q_chunks, kv_chunks[2:], states, scale, op=torch_cuda.cudnn_op)
-    assert calls == [(5, 7, scale), (33, 7, scale), (5, 40, scale), (33, 40, scale)]
+    assert calls == [(38, 7, scale), (38, 40, scale)]  # Q chunks joined: one call per attend
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[dtype])
 
@@ -448,7 +448,7 @@ def _fake_flash_attn(calls):
 
 
 @pytest.mark.parametrize("D", [64, 72, 88])
-def test_flash_backend_one_call_per_q_chunk_on_concatenated_kv(monkeypatch, D):
+def test_flash_backend_one_call_on_joined_q_and_kv(monkeypatch, D):
     calls = []
     monkeypatch.setattr(flash_backend, "_flash_attn_func", lambda: _fake_flash_attn(calls))
     rng = random.Random(D)
@@ -460,7 +460,7 @@ def test_flash_backend_one_call_per_q_chunk_on_concatenated_kv(monkeypatch, D):
     states = [new_state(q) for q in q_chunks]
     flash_backend.attend_flash(q_chunks, kv_chunks[:3], states, scale)
     flash_backend.attend_flash(q_chunks, kv_chunks[3:], states, scale)
-    assert calls == [(4, 12), (17, 12), (4, 20), (17, 20)]
+    assert calls == [(21, 12), (21, 20)]  # Q chunks joined: one call per attend
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[torch.bfloat16])
 
@@ -501,16 +501,16 @@ def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
     monkeypatch.setattr(ta, "_rejected", set())
     launched = []
 
-    def launch(plan, table, n_tiles, cfg):
-        launched.append(cfg)
-        if cfg != ta.SAFE_CONFIG:
+    def launch(plan, ready):
+        launched.append((ready.cfg, ready.n_split))
+        if ready.cfg != ta.SAFE_CONFIG:
             raise OutOfResources(200_000, 101_376, "shared memory")
 
     monkeypatch.setattr(ta._Plan, "launch", launch)
     q = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     for _ in range(2):
         ta.attend_triton([q], [(q, q)], [new_state(q)], 0.1)
-    assert launched == [ta.TABLES[(128, 86)][0], ta.SAFE_CONFIG, ta.SAFE_CONFIG]
+    assert launched == [(ta.TABLES[(128, 86)][0], 1), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
 
 
 # Per-block shared memory limits (cudaDevAttrMaxSharedMemoryPerBlockOptin).
