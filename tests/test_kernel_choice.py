@@ -181,8 +181,10 @@ def test_attend_routes_each_call_by_its_shape(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "current_backend",
                         lambda device, d, dt: dispatch.select_backend(CUDA, None, d, dt))  # fmt: skip
-    monkeypatch.setattr(flash_backend, "attend_flash", lambda q, kv, s, scale: calls.append(("flash", q[0].shape[-1])))
-    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale: calls.append(("torch", q[0].shape[-1])))
+    monkeypatch.setattr(flash_backend, "attend_flash",
+                        lambda q, kv, s, scale, **kw: calls.append(("flash", q[0].shape[-1])))
+    monkeypatch.setattr(torch_cuda, "attend_torch",
+                        lambda q, kv, s, scale, **kw: calls.append(("torch", q[0].shape[-1])))
     import xfuser_swiftfusion.kernels.triton_attend as triton_attend
 
     monkeypatch.setattr(triton_attend, "attend_triton",
@@ -353,11 +355,164 @@ def test_cudnn_choice_runs_through_the_cudnn_op(monkeypatch):
     _packages(monkeypatch, flash=False)
     monkeypatch.setattr(dispatch, "current_backend", lambda device, d, dt: "cudnn")
     ops = []
-    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale, op=None: ops.append(op))
+    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale, op=None, **kw: ops.append(op))
     q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
     dispatch.attend([q], [(q, q)], [new_state(q)], scale=0.1)
     assert ops == [torch_cuda.cudnn_op]
     assert dispatch.masked_backend(CUDA, "cudnn") == "torch"  # key masks: the torch backend
+
+
+# ------------------------------------------------------------------ one op call + one combine
+def _cpu_sdpa(q, k, v, scale):
+    """torch's CPU attention op as an ``AttnOp`` (out [B, H, Lq, D], LSE fp32 [B, H, Lq])."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+
+
+def test_torch_backend_finalizes_in_the_same_call():
+    """``out`` given: the call writes acc / l of every chunk (rows without keys: 0), including
+    a call with no keys at all (finalize only)."""
+    torch.manual_seed(11)
+    q_chunks = [torch.randn(1, 2, L, 40) for L in (6, 0, 13)]
+    kv = [(torch.randn(1, 2, L, 40), torch.randn(1, 2, L, 40)) for L in (9, 4)]
+    states = [new_state(q) for q in q_chunks]
+    outs = [torch.full_like(q, float("nan")) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, kv, states, 0.2, op=_cpu_sdpa, out=outs)
+    for q, o in zip(q_chunks, outs):
+        ref_out, _ = reference(q, kv, 0.2)
+        assert (o.double() - ref_out).abs().max().item() <= 1e-5 if q.numel() else o.numel() == 0
+    fresh = [new_state(q) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, [], fresh, 0.2, op=_cpu_sdpa, out=outs)
+    assert all(torch.equal(o, torch.zeros_like(o)) for o in outs)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 12])
+def test_cudnn_split_call_batches_equal_kv_ranges(monkeypatch, splits):
+    """A split cuDNN call: Q repeated ``splits`` times against the K/V ranges in ONE op call
+    (batch ``splits * B``), the partials merged exactly."""
+    calls = []
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", _cpu_cudnn_sdpa(calls))
+    torch.manual_seed(splits)
+    q_chunks = [torch.randn(2, 3, L, 64, dtype=torch.bfloat16) for L in (10, 7)]
+    kv = [tuple(torch.randn(2, 3, L, 64, dtype=torch.bfloat16) for _ in range(2)) for L in (24, 0, 24)]
+    states = [new_state(q) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, kv, states, 0.125, op=torch_cuda.cudnn_op, kv_splits=splits)
+    assert calls == [(17, 48 // splits, 0.125)]
+    for q, s in zip(q_chunks, states):
+        assert_state_matches(s, q, kv, 0.125, TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="kv_splits must divide the joined K/V length 48"):
+        torch_cuda.attend_torch(q_chunks, kv, states, 0.125, op=torch_cuda.cudnn_op, kv_splits=5)
+
+
+def test_cudnn_split_ranges_copied_where_strided_views_are_refused(monkeypatch, caplog):
+    """cuDNN refusing the K/V ranges as strided views (not known to happen): they are copied
+    from then on, logged once, and the result is the same."""
+    calls, refused = [], []
+
+    def picky(q, k, v, *args, **kwargs):
+        if not k.is_contiguous():
+            refused.append(k.shape)
+            raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+        return _cpu_cudnn_sdpa(calls)(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", picky)
+    monkeypatch.setattr(torch_cuda, "_split_views_refused", False)
+    torch.manual_seed(12)
+    q = torch.randn(1, 2, 9, 32, dtype=torch.bfloat16)
+    kv = [tuple(torch.randn(1, 2, 16, 32, dtype=torch.bfloat16) for _ in range(2))]
+    with caplog.at_level(logging.INFO, logger="xfuser.swiftfusion.kernels"):
+        for _ in range(2):
+            s = [new_state(q)]
+            torch_cuda.attend_torch([q], kv, s, 0.2, op=torch_cuda.cudnn_op, kv_splits=4)
+            assert_state_matches(s[0], q, kv, 0.2, TOL[torch.bfloat16])
+    assert len(refused) == 1 and len(calls) == 2
+    assert sum("copied from now on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_split_count_fills_the_gpu_and_only_then():
+    from xfuser_swiftfusion.kernels.combine import MAX_SPLITS, split_count
+
+    assert split_count(132, 500, 132) == 1  # a full wave: no split
+    assert split_count(60, 146, 132) == 2  # 120 programs, one wave of half the keys
+    assert split_count(10, 400, 132) == 13  # 130 programs
+    assert split_count(1, 10_000, 132) == MAX_SPLITS
+    assert split_count(60, 6, 132) == 1  # too few K/V tiles to split
+    assert split_count(100, 200, 132) == 5  # 500 programs: 95 % of 4 waves busy, 76 % of 1
+    assert split_count(130, 200, 132) == 1  # two waves of half the work: no gain
+    assert split_count(60, 146, 132, allowed=lambda s: s % 3 == 0) == 6  # 360 programs: 3 full waves
+    assert split_count(60, 146, 132, allowed=lambda s: False) == 1
+    assert split_count(0, 10, 132) == split_count(5, 10, 0) == 1
+
+
+def test_cudnn_kv_splits_for_the_short_query_launches():
+    """Flux 3072 px on 4 x 8, one GPU: 3 heads x 2336 queries (55 tiles) against 9344 keys on
+    132 SMs: two ranges; a launch of 9344 queries fills the GPU unsplit."""
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 9344, 132) == 2
+    assert torch_cuda.cudnn_kv_splits(3, 9344, 9344, 132) == 1
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 2 * 1163, 132) == 2  # a divisor of the keys
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 4651, 132) == 1  # a prime: no equal ranges
+
+
+def test_pick_launch_splits_short_query_launches_along_kv():
+    from xfuser_swiftfusion.kernels.triton_attend import TABLES, pick_launch
+
+    full, small = TABLES[(128, 90)]
+    # Pull-Q of Flux 3072 px: 2 x 1168 queries (20 tiles of 128) x 3 heads = 60 programs
+    assert pick_launch(128, 90, [1168, 1168], [1168] * 8, 3, 132) == (full, 2)
+    assert pick_launch(128, 90, [1168] * 8, [1168] * 2, 3, 132) == (full, 1)  # 240 programs
+    assert pick_launch(128, 90, [1168, 1168], [64], 3, 132) == (small, 1)  # 1 K/V tile: no split
+    assert pick_launch(64, 80, [100], [5000], 1, 108) == (TABLES[(64, 80)][0], 16)
+
+
+# Ops that queue no device work (views and metadata) and ops that make the host wait for the
+# device (a value read back, a data-dependent shape).
+_NO_KERNEL = {"detach", "lift_fresh", "alias"}
+_SYNCING = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "masked_select", "equal", "unique",
+            "_unique2", "to_dense"}
+
+
+def _device_ops(fn) -> list[str]:
+    """Names of the aten ops ``fn`` dispatches that queue device work (no views)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in _NO_KERNEL:
+                names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return names
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_backend_call_queues_a_few_kernels_whatever_the_chunks(monkeypatch, masked):
+    """What filled the GPU's launch queue and held the host back (H100 replay, cudnn and torch
+    flash): a merge of about a dozen kernels per Q chunk. Now a backend call queues the joins,
+    one op and one combine launch, however many chunks, and nothing that syncs the host."""
+    from xfuser_swiftfusion.kernels import combine
+
+    launched = []
+    monkeypatch.setattr(combine, "uses_kernel", lambda device: True)
+    monkeypatch.setattr(combine.CombinePlan, "__init__", lambda self, *a: launched.append(len(a[0])))
+    monkeypatch.setattr(combine.CombinePlan, "launch", lambda self: None)
+    monkeypatch.setattr(torch_cuda, "masked_efficient_op", lambda q, k, v, scale, bias: _cpu_sdpa(q, k, v, scale))
+    counts = []
+    for n_q in (2, 8):
+        q_chunks = [torch.randn(1, 3, 16, 64) for _ in range(n_q)]
+        kv = [(torch.randn(1, 3, 32, 64), torch.randn(1, 3, 32, 64)) for _ in range(2)]
+        masks = [torch.rand(1, 32) > 0.5 for _ in kv] if masked else None
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.empty_like(q) for q in q_chunks]
+        names = _device_ops(lambda: torch_cuda.attend_torch(q_chunks, kv, states, 0.1, None if masked else _cpu_sdpa,
+                                                            key_masks=masks, out=outs))
+        assert not _SYNCING & set(names), names
+        counts.append(len(names))
+    assert counts[0] == counts[1] <= (10 if masked else 4), counts  # cat K, V, Q, the op (+ the mask's bias)
+    assert launched == [2, 8]  # one combine per call, over every chunk
 
 
 # ------------------------------------------------------------------ measured choice table
