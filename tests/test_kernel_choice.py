@@ -708,10 +708,34 @@ def compiler():
 @pytest.mark.parametrize("D,arch,cfg", _aot_cases(), ids=lambda x: f"{x}" if not hasattr(x, "block_m") else
                          f"{x.block_m}x{x.block_n}w{x.num_warps}s{x.num_stages}")  # fmt: skip
 def test_table_entry_fits_without_spills(compiler, D, arch, cfg):
+    """Every variant of the attention kernel an entry launches: finalizing (bf16), not
+    finalizing (fp16), split along K/V (partials to the workspace)."""
+    from xfuser_swiftfusion.kernels.triton_attend import aot_compile, resource_usage
+
     for dtype, finalize in ((torch.bfloat16, True), (torch.float16, False)):
         usage = compiler(D, dtype, arch, finalize, cfg)
         assert 0 < usage["shared"] <= SHARED_LIMIT[arch], usage
         assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills ({dtype}, {finalize}): {usage}"
+    usage = resource_usage(aot_compile(D, torch.bfloat16, arch, cfg=cfg, split=True))
+    assert 0 < usage["shared"] <= SHARED_LIMIT[arch], usage
+    assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills (split): {usage}"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("D", [32, 72, 128, 256])
+def test_combine_kernel_fits_without_spills(compiler, D, arch):
+    """The combine kernel over the head dims the backends run (its tiles are D rounded up to a
+    power of two: 72 stands for 72-128, 256 for 136-256), partials in bf16 (SDPA ops) and fp32
+    (the split workspace), with and without vector loads (``aligned``)."""
+    from xfuser_swiftfusion.kernels import combine
+    from xfuser_swiftfusion.kernels.triton_attend import resource_usage
+
+    for part, out, finalize, dead, aligned in ((torch.bfloat16, torch.bfloat16, True, False, True),
+                                               (torch.float32, torch.float16, True, False, False),
+                                               (torch.float32, torch.float32, False, True, True)):
+        usage = resource_usage(combine.aot_compile(D, part, out, arch, finalize, dead, aligned))
+        assert usage["shared"] <= SHARED_LIMIT[arch], usage
+        assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills ({part}, {out}): {usage}"
 
 
 # --------------------------------------------- triton table numerics (interpreter subprocess)

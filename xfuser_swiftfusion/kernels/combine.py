@@ -45,7 +45,8 @@ from .state import AttnState, finalize, merge_masked_, merge_partial_
 # then Lq and the chunk's first tile. Strides in elements.
 C_PART, C_LSE, C_ACC, C_M, C_L, C_O = (tl.constexpr(x) for x in (0, 5, 10, 14, 18, 22))
 C_LQ, C_TILE0, NCF = tl.constexpr(26), tl.constexpr(27), tl.constexpr(28)
-MAX_ROW_ELEMENTS = 4096  # BLOCK_M * BLOCK_D of a program: 32 rows at D 128
+TILE_ELEMENTS = 2048  # BLOCK_M * BLOCK_D of a program (16 rows at D 128) ...
+TILE_ELEMENTS_UNALIGNED = 512  # ... and without vector loads: a pointer per element held
 NUM_WARPS = 4
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -134,9 +135,10 @@ def _combine_kernel(
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(OUT), mask=mask)
 
 
-def block_m(head_dim: int) -> int:
-    """Rows per program: ``MAX_ROW_ELEMENTS`` elements of a [rows, D] tile (at least 16)."""
-    return max(16, MAX_ROW_ELEMENTS // block_d(head_dim))
+def block_m(head_dim: int, aligned: bool = True) -> int:
+    """Rows per program: a [rows, D] tile of ``TILE_ELEMENTS`` (``TILE_ELEMENTS_UNALIGNED``
+    without vector loads) elements, at least 4 rows."""
+    return max(4, (TILE_ELEMENTS if aligned else TILE_ELEMENTS_UNALIGNED) // block_d(head_dim))
 
 
 def block_d(head_dim: int) -> int:
@@ -177,14 +179,10 @@ class CombinePlan:
         self.n_split = 0 if parts is None else _split_view(parts[0], 4).shape[0]
         self.part_dtype = torch.float32 if parts is None else parts[0].dtype
         self.out_dtype = torch.float32 if out is None else out[0].dtype
-        self.head_dim, self.block_m = D, block_m(D)
-        rows: list[int] = []
-        keep: list[torch.Tensor] = []
-        aligned = True
-        n_tiles = 0
+        self.head_dim = D
+        chunks = []  # (partial out [S, B, H, Lq, D], LSE [S, B, H, Lq], state, output) per Q chunk with rows
         for i, s in enumerate(states):
-            Lq = s.acc.shape[2]
-            if Lq == 0:
+            if s.acc.shape[2] == 0:
                 continue
             if parts is None:  # finalize only: no partial is read
                 part, lse = s.acc.unsqueeze(0), s.m.unsqueeze(0)
@@ -200,15 +198,20 @@ class CombinePlan:
                 raise ValueError("combine: outputs need unit stride along D and one dtype")
             if s.acc.stride(-1) != 1:
                 raise ValueError("combine: AttnState.acc needs unit stride along D")
-            aligned = aligned and _aligned(part, 4) and _aligned(s.acc, 3) and _aligned(o, 3)
-            # partial out: strides of (split, b, h, l) -> table order b, h, l, split
+            chunks.append((part, lse, s, o))
+        aligned = all(_aligned(p, 4) and _aligned(s.acc, 3) and _aligned(o, 3) for p, _, s, o in chunks)
+        self.block_m = block_m(D, aligned)
+        rows: list[int] = []
+        n_tiles = 0
+        for part, lse, s, o in chunks:
+            # partial out and LSE: strides of (split, b, h, l) -> table order b, h, l, split
             ps, ls = _strides(part, 4), _strides(lse, 4)
             rows += [part.data_ptr(), ps[1], ps[2], ps[3], ps[0], lse.data_ptr(), ls[1], ls[2], ls[3], ls[0]]
             for t in (s.acc, s.m, s.l, o):
                 rows += [t.data_ptr(), *_strides(t, 3)]
-            rows += [Lq, n_tiles]
-            n_tiles += -(-Lq // self.block_m)
-            keep += [part, lse, s.acc, s.m, s.l, o]
+            rows += [s.acc.shape[2], n_tiles]
+            n_tiles += -(-s.acc.shape[2] // self.block_m)
+        keep = [t for part, lse, s, o in chunks for t in (part, lse, s.acc, s.m, s.l, o)]
         self.n_q, self.n_tiles = len(rows) // NCF.value, n_tiles
         self.aligned, self.finalizing = aligned, out is not None
         self.dead = None if dead is None else dead.contiguous().view(torch.uint8)  # [B] bool as bytes
@@ -298,7 +301,7 @@ def aot_compile(head_dim: int, part_dtype: torch.dtype, out_dtype: torch.dtype, 
 
     constexprs = {
         "PART": _TL_DTYPES[part_dtype], "OUT": _TL_DTYPES[out_dtype], "HEAD_DIM": head_dim,
-        "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m(head_dim), "HAS_DEAD": has_dead,
+        "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m(head_dim, aligned), "HAS_DEAD": has_dead,
         "FINALIZE": finalize, "ALIGNED": aligned,
     }  # fmt: skip
     signature = {"table": "*i64", "n_q": "i32", "n_split": "i32", "dead": "*u8"}
