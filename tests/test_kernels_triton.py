@@ -253,6 +253,17 @@ def _interpreter_cases() -> dict:
             torch_cuda.attend_torch(q_chunks, kv[2:], states, 0.125, op=op, out=outs, kv_splits=splits)
             for q, o, s in zip(q_chunks, outs, states):
                 assert_matches(o, s.lse(), *reference(q, kv, 0.125), TOL[dtype])
+        # prepared once (joined buffers, split, combine table); each call merges the keys again
+        q_chunks = [torch.randn(1, 2, L, 64) for L in (9, 4)]
+        kv = [(torch.randn(1, 2, L, 64), torch.randn(1, 2, L, 64)) for L in (6, 10)]
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.empty_like(q) for q in q_chunks]
+        run = torch_cuda.prepare_torch(q_chunks, kv, states, 0.2, op=op, out=outs, kv_splits=2)
+        run()
+        run()
+        for q, o, s in zip(q_chunks, outs, states):
+            ref_out, ref_lse = reference(q, kv, 0.2)
+            assert_matches(o, s.lse() - math.log(2), ref_out, ref_lse, 1e-5)
 
     def torch_backend_key_masked_through_combine():
         """A key-masked call (the torch backend on CUDA): a batch entry with every key masked

@@ -22,9 +22,11 @@ stride along D (flash-attn's and cuDNN's outputs are ``[B, L, H, D]`` buffers, c
 element strides, as the attention kernel does (``triton_attend``):
 
 * grid = (sum_i ceil(Lq_i / BLOCK_M), B, H); program (x, b, h) owns BLOCK_M rows of one chunk;
-* a row of the table per Q chunk: the partial out (address, B/H/L/split strides), the partial
-  LSE (the same), the state's acc, m and l and the output (address, B/H/L strides each), Lq and
-  the chunk's first tile.
+* a row of the table per Q chunk: the partial out (element offset from the kernel's ``part``
+  argument, B/H/L/split strides), the partial LSE (the same from ``lse``), the state's acc, m
+  and l and the output (address, B/H/L strides each), Lq and the chunk's first tile. The
+  partials' base addresses are launch arguments, so a plan built once serves every later
+  (out, lse) of the same layout: an SDPA op allocates its outputs anew at each call.
 
 On CPU tensors without the Triton interpreter the same merge runs as torch ops (``state.py``),
 which is also the reference the tests compare the kernel with.
@@ -40,9 +42,10 @@ import triton.language as tl
 from .interpret import interpreting
 from .state import AttnState, finalize, merge_masked_, merge_partial_
 
-# Table row of one Q chunk (int64): partial out and LSE (address, stride_b, stride_h,
-# stride_l, stride_split), acc, m, l and the output (address, stride_b, stride_h, stride_l),
-# then Lq and the chunk's first tile. Strides in elements.
+# Table row of one Q chunk (int64): partial out and LSE (element offset from the ``part`` /
+# ``lse`` argument, stride_b, stride_h, stride_l, stride_split), acc, m, l and the output
+# (address, stride_b, stride_h, stride_l), then Lq and the chunk's first tile. Strides in
+# elements.
 C_PART, C_LSE, C_ACC, C_M, C_L, C_O = (tl.constexpr(x) for x in (0, 5, 10, 14, 18, 22))
 C_LQ, C_TILE0, NCF = tl.constexpr(26), tl.constexpr(27), tl.constexpr(28)
 TILE_ELEMENTS = 2048  # BLOCK_M * BLOCK_D of a program (16 rows at D 128) ...
@@ -75,6 +78,8 @@ def _tile_ptrs(row, FIELD: tl.constexpr, ELEM: tl.constexpr, b, h, offs_m, offs_
 @triton.jit
 def _combine_kernel(
     table,  # int64 [n_q * NCF]
+    part,  # PART*: the partial outputs (each chunk's at its offset)
+    lse,  # fp32*: their LSEs (each chunk's at its offset)
     n_q,  # Q chunks in the table (each with >= 1 row)
     n_split,  # partials per Q chunk (0: finalize only)
     dead,  # uint8 [B]: 1 = the batch entry's partials are dropped (read when HAS_DEAD)
@@ -106,23 +111,29 @@ def _combine_kernel(
     l = tl.load(l_ptrs, mask=mask_m, other=0.0)
     acc = tl.load(acc_ptrs, mask=mask, other=0.0)
 
-    part_ptrs = _tile_ptrs(row, C_PART, PART, b, h, offs_m, offs_d, ALIGNED)
-    lse_ptrs = _row_ptrs(row, C_LSE, b, h, offs_m)
+    part_base = part + tl.load(row + C_PART) + b * tl.load(row + C_PART + 1) + h * tl.load(row + C_PART + 2)
+    part_stride = tl.load(row + C_PART + 3)
+    if ALIGNED:
+        part_base = tl.multiple_of(part_base, 16)
+        part_stride = tl.multiple_of(part_stride, 8)
+    part_ptrs = part_base + offs_m[:, None] * part_stride + offs_d[None, :]
+    lse_ptrs = lse + tl.load(row + C_LSE) + b * tl.load(row + C_LSE + 1) + h * tl.load(row + C_LSE + 2)
+    lse_ptrs += offs_m * tl.load(row + C_LSE + 3)
     split_part = tl.load(row + C_PART + 4)
     split_lse = tl.load(row + C_LSE + 4)
     if HAS_DEAD:
         drop = tl.load(dead + b) != 0
     for s in range(0, n_split):
-        lse = tl.load(lse_ptrs + s * split_lse, mask=mask_m, other=float("-inf"))
-        part = tl.load(part_ptrs + s * split_part, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(lse_ptrs + s * split_lse, mask=mask_m, other=float("-inf"))
+        p = tl.load(part_ptrs + s * split_part, mask=mask, other=0.0).to(tl.float32)
         if HAS_DEAD:
-            lse = tl.where(drop, float("-inf"), lse)
-            part = tl.where(drop, 0.0, part)
-        m_new = tl.maximum(m, lse, propagate_nan=tl.PropagateNan.ALL)
+            x = tl.where(drop, float("-inf"), x)
+            p = tl.where(drop, 0.0, p)
+        m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
         f_state = tl.exp(m - ref)
-        f_part = tl.exp(lse - ref)
-        acc = acc * f_state[:, None] + part * f_part[:, None]
+        f_part = tl.exp(x - ref)
+        acc = acc * f_state[:, None] + p * f_part[:, None]
         l = l * f_state + f_part
         m = m_new
 
@@ -154,6 +165,14 @@ def _strides(t: torch.Tensor, dims: int) -> list[int]:
 def _aligned(t: torch.Tensor, dims: int) -> bool:
     """16-byte aligned start, unit stride along D and the other strides multiples of 8 elements."""
     return t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in _strides(t, dims))
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from ``base``'s first element to ``t``'s (same dtype)."""
+    delta = t.data_ptr() - base.data_ptr()
+    if delta % t.element_size():
+        raise ValueError("combine: partials must be element-aligned with each other")
+    return delta // t.element_size()
 
 
 def _split_view(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -201,12 +220,15 @@ class CombinePlan:
             chunks.append((part, lse, s, o))
         aligned = all(_aligned(p, 4) and _aligned(s.acc, 3) and _aligned(o, 3) for p, _, s, o in chunks)
         self.block_m = block_m(D, aligned)
+        # the partials of the first chunk are the bases the others are addressed from
+        self.part, self.lse = (chunks[0][0], chunks[0][1]) if chunks else (None, None)
         rows: list[int] = []
         n_tiles = 0
         for part, lse, s, o in chunks:
             # partial out and LSE: strides of (split, b, h, l) -> table order b, h, l, split
             ps, ls = _strides(part, 4), _strides(lse, 4)
-            rows += [part.data_ptr(), ps[1], ps[2], ps[3], ps[0], lse.data_ptr(), ls[1], ls[2], ls[3], ls[0]]
+            rows += [_offset(part, self.part), ps[1], ps[2], ps[3], ps[0]]
+            rows += [_offset(lse, self.lse), ls[1], ls[2], ls[3], ls[0]]
             for t in (s.acc, s.m, s.l, o):
                 rows += [t.data_ptr(), *_strides(t, 3)]
             rows += [s.acc.shape[2], n_tiles]
@@ -218,11 +240,16 @@ class CombinePlan:
         self.keep = keep
         self.table = device_table(rows, self.device) if rows else None
 
-    def launch(self) -> None:
+    def launch(self, part: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+        """Queue the kernel. ``part`` / ``lse``: partials laid out as those the plan was built
+        with (same shapes, strides and dtype; the first chunk's rows first), at new addresses;
+        default: the partials it was built with."""
         if self.n_tiles == 0 or 0 in self.grid_bh:
             return
+        part = self.part if part is None else part
+        lse = self.lse if lse is None else lse
         _combine_kernel[(self.n_tiles, *self.grid_bh)](
-            self.table, self.n_q, self.n_split, self.table if self.dead is None else self.dead,
+            self.table, part, lse, self.n_q, self.n_split, self.table if self.dead is None else self.dead,
             PART=_TL_DTYPES[self.part_dtype], OUT=_TL_DTYPES[self.out_dtype], HEAD_DIM=self.head_dim,
             BLOCK_D=block_d(self.head_dim), BLOCK_M=self.block_m, HAS_DEAD=self.dead is not None,
             FINALIZE=self.finalizing, ALIGNED=self.aligned, num_warps=NUM_WARPS,
@@ -304,5 +331,6 @@ def aot_compile(head_dim: int, part_dtype: torch.dtype, out_dtype: torch.dtype, 
         "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m(head_dim, aligned), "HAS_DEAD": has_dead,
         "FINALIZE": finalize, "ALIGNED": aligned,
     }  # fmt: skip
-    signature = {"table": "*i64", "n_q": "i32", "n_split": "i32", "dead": "*u8"}
+    signature = {"table": "*i64", "part": "*" + {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[part_dtype],
+                 "lse": "*fp32", "n_q": "i32", "n_split": "i32", "dead": "*u8"}
     return compile_for(_combine_kernel, signature, constexprs, arch, NUM_WARPS, 1)

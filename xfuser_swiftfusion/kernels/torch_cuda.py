@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..log import get_logger, log_once
-from .state import AttnState, joined_kv, key_bias
+from .state import AttnState, joined_kv, key_bias, repeat_kv
 
 logger = get_logger("xfuser_swiftfusion.kernels")
 
@@ -184,6 +184,49 @@ def _split_call(op: AttnOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return o.unflatten(0, (splits, B)), lse.unflatten(0, (splits, B))
 
 
+def _resolve_op(op: AttnOp | None, q: torch.Tensor, kv_len: int) -> AttnOp:
+    """``op``, ``cuda_op(q)`` by default; cuDNN's calls with one key run on ``cuda_op(q)``."""
+    op = op or cuda_op(q)
+    if op is cudnn_op and kv_len < 2:  # cuDNN takes no K/V of length 1
+        log_once(logger, "kernel-cudnn-one-key", "kernel cudnn: cuDNN attention takes no K/V of "
+                 "length 1; such calls run on the torch backend's op")
+        op = cuda_op(q)
+    return op
+
+
+def _splits(kv_splits: int | None, op: AttnOp, q: torch.Tensor, kv_len: int) -> int:
+    """``kv_splits`` checked, or by default ``cudnn_kv_splits`` for ``cudnn_op`` on CUDA (1
+    otherwise); q: the joined queries [B, H, Lq, D]."""
+    B, H, Lq, _ = q.shape
+    if kv_splits is None:
+        kv_splits = 1
+        if op is cudnn_op and q.device.type == "cuda":
+            from .triton_attend import _device_info
+
+            kv_splits = cudnn_kv_splits(B * H, Lq, kv_len, _device_info(q.device.index)[1])
+    if kv_splits < 1 or kv_len % kv_splits:
+        raise ValueError(f"attend_torch: kv_splits must divide the joined K/V length {kv_len}, got {kv_splits}")
+    if op is cudnn_op and max(B * kv_splits, H) > CUDNN_MAX_BATCH_HEADS:
+        raise ValueError(f"kernel cudnn: cuDNN attention takes at most {CUDNN_MAX_BATCH_HEADS} "
+                         f"batch entries and heads, got B={B * kv_splits}, H={H}")
+    return kv_splits
+
+
+def _call(op: AttnOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op call: out ``[S, B, H, Lq, D]``, LSE ``[S, B, H, Lq]`` (S = ``splits`` K/V ranges)."""
+    B, H, Lq, _ = q.shape
+    if splits == 1:
+        o, lse = op(q, k, v, scale)  # [B, H, Lq, D], [B, H, >= Lq]
+        o, lse = o.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o, lse = _split_call(op, q, k, v, scale, splits)  # [S, B, H, Lq, D], [S, B, H, >= Lq]
+    if lse.shape[1:3] != (B, H) or lse.shape[3] < Lq:
+        raise RuntimeError(f"attention op returned lse of shape {tuple(lse.shape[1:])}, expected "
+                           f"[B, H, >= Lq] for [B, H, Lq] = {(B, H, Lq)}")
+    return o, lse[..., :Lq]
+
+
 def attend_torch(
     q_chunks: Sequence[torch.Tensor],
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -221,33 +264,54 @@ def attend_torch(
 
         def op(q, k, v, scale):
             return masked_efficient_op(q, k, v, scale, bias)
-    op = op or cuda_op(work[0][0])
-    if op is cudnn_op and k.shape[2] < 2:  # cuDNN takes no K/V of length 1
-        log_once(logger, "kernel-cudnn-one-key", "kernel cudnn: cuDNN attention takes no K/V of "
-                 "length 1; such calls run on the torch backend's op")
-        op = cuda_op(work[0][0])
+    op = _resolve_op(op, work[0][0], k.shape[2])
     q = _joined([q for q, _ in work])  # [B, H, sum Lq_i, D]
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    if kv_splits is None:
-        kv_splits = 1
-        if op is cudnn_op and q.device.type == "cuda":
-            from .triton_attend import _device_info
-
-            kv_splits = cudnn_kv_splits(B * H, Lq, Lk, _device_info(q.device.index)[1])
-    if kv_splits < 1 or Lk % kv_splits:
-        raise ValueError(f"attend_torch: kv_splits must divide the joined K/V length {Lk}, got {kv_splits}")
-    if op is cudnn_op and max(B * kv_splits, H) > CUDNN_MAX_BATCH_HEADS:
-        raise ValueError(f"kernel cudnn: cuDNN attention takes at most {CUDNN_MAX_BATCH_HEADS} "
-                         f"batch entries and heads, got B={B * kv_splits}, H={H}")
-    if kv_splits == 1:
-        o, lse = op(q, k, v, scale)  # [B, H, Lq, D], [B, H, >= Lq]
-        o, lse = o.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o, lse = _split_call(op, q, k, v, scale, kv_splits)  # [S, B, H, Lq, D], [S, B, H, >= Lq]
-    if lse.shape[1:3] != (B, H) or lse.shape[3] < Lq:
-        raise RuntimeError(f"attention op returned lse of shape {tuple(lse.shape[1:])}, expected "
-                           f"[B, H, >= Lq] for [B, H, Lq] = {(B, H, Lq)}")
+    o, lse = _call(op, q, k, v, scale, _splits(kv_splits, op, q, k.shape[2]))
     # [S, B, H, sum Lq_i, (D)] -> chunk i's rows [S, B, H, Lq_i, (D)] (views)
     lengths = [c.shape[2] for c, _ in work]
-    combine([s for _, s in work], o.split(lengths, dim=3), lse[..., :Lq].split(lengths, dim=3), outs, dead)
+    combine([s for _, s in work], o.split(lengths, dim=3), lse.split(lengths, dim=3), outs, dead)
+
+
+def prepare_torch(
+    q_chunks: Sequence[torch.Tensor],
+    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    states: Sequence[AttnState],
+    scale: float,
+    op: AttnOp | None = None,
+    out: Sequence[torch.Tensor] | None = None,
+    kv_splits: int | None = None,
+) -> Callable[[], None]:
+    """``attend_torch`` (without key masks) prepared once for CUDA tensors: the joined Q and
+    K/V buffers allocated, the op and its split chosen, the combine's table built and uploaded.
+    Each call of the result copies the chunks into the joined buffers, makes the op call and
+    launches the combine: no table upload, capturable in a CUDA graph, cheap to issue (the op
+    allocates its outputs, from the graph's pool under capture). Each call merges into
+    ``states`` again."""
+    from .combine import CombinePlan
+
+    if not all(q.numel() for q in q_chunks) or not kv_chunks or not all(k.shape[2] for k, _ in kv_chunks):
+        raise ValueError("prepare_torch: every Q and K/V chunk needs rows (leave empty ones out)")
+    H = q_chunks[0].shape[1]
+
+    def joiner(chunks: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], object]]:
+        """The joined [B, H, sum L, D] tensor and what refreshes it from the chunks."""
+        if len(chunks) == 1 and chunks[0].stride(-1) == 1:
+            return chunks[0], lambda: None
+        buf = torch.cat(chunks, dim=2)
+        return buf, lambda: torch.cat(chunks, dim=2, out=buf)
+
+    q, join_q = joiner(list(q_chunks))  # [B, H, sum Lq_i, D]
+    k, join_k = joiner([k for k, _ in kv_chunks])  # [B, H_kv, sum Lk_j, D]
+    v, join_v = joiner([v for _, v in kv_chunks])
+    op = _resolve_op(op, q, k.shape[2])
+    splits = _splits(kv_splits, op, q, k.shape[2])
+    o, lse = _call(op, q, repeat_kv(k, H), repeat_kv(v, H), scale, splits)  # fixes the layout
+    lengths = [c.shape[2] for c in q_chunks]
+    plan = CombinePlan(states, o.split(lengths, dim=3), lse.split(lengths, dim=3), out, None)
+
+    def run() -> None:
+        join_q(), join_k(), join_v()
+        o, lse = _call(op, q, repeat_kv(k, H), repeat_kv(v, H), scale, splits)
+        plan.launch(o, lse)
+
+    return run
