@@ -67,10 +67,11 @@ def _lengths(rng: random.Random, count: tuple[int, int], longest: int, empty: fl
 
 
 def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bool, seed: int,
-                  longest: int = 300, batch: int = 2, heads: int = 4) -> dict:
+                  longest: int = 300, batch: int = 2, heads: int = 4, n_split: int | None = None) -> dict:
     """One random chunking in two launches that carry the running state: errors of the output
     and the LSE against ``reference`` (the output is acc / l of the state when not
-    finalizing). Grouped-query K/V (half the heads) on odd seeds."""
+    finalizing). Grouped-query K/V (half the heads) on odd seeds. ``n_split``: the triton
+    kernel called directly, split along K/V into that many ranges (its combine included)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     heads_kv = heads // 2 if seed % 2 else heads
@@ -82,12 +83,18 @@ def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bo
     scale = D ** -0.5
     states = [new_state(q) for q in qs]
     split = rng.randint(0, len(kvs))  # first launch kvs[:split] (maybe none), second the rest
-    attend(qs, kvs[:split], states, scale=scale)
+    call = attend
+    if n_split is not None:
+        from ...kernels.triton_attend import attend_triton
+
+        def call(q, kv, st, scale, finalize=False, out=None):
+            attend_triton(q, kv, st, scale, out=out if finalize else None, n_split=n_split)
+    call(qs, kvs[:split], states, scale=scale)
     if finalize:
         outs = [torch.full(q.shape, float("nan"), dtype=dtype, device=device) for q in qs]
-        attend(qs, kvs[split:], states, scale=scale, finalize=True, out=outs)
+        call(qs, kvs[split:], states, scale=scale, finalize=True, out=outs)
     else:
-        attend(qs, kvs[split:], states, scale=scale)
+        call(qs, kvs[split:], states, scale=scale)
         outs = [s.acc / s.l[..., None] for s in states]
     ref_out, ref_lse = reference(qs, kvs, scale)
     lses = [s.m + torch.log(s.l) for s in states]
@@ -144,9 +151,9 @@ def _passes(result: dict, tol: float) -> bool:
 
 
 def _numerics_row(w: RowWriter, case: str, device: torch.device, D: int, dtype: torch.dtype,
-                  finalize: bool, seeds: range, longest: int) -> None:
+                  finalize: bool, seeds: range, longest: int, n_split: int | None = None) -> None:
     try:
-        results = [numerics_case(device, D, dtype, finalize, s, longest) for s in seeds]
+        results = [numerics_case(device, D, dtype, finalize, s, longest, n_split=n_split) for s in seeds]
     except Exception as exc:  # noqa: BLE001  (a backend's error is this row's failure)
         w.add(case, "FAIL", f"{type(exc).__name__}: {exc}"[:400])
         return
@@ -162,9 +169,9 @@ CUDNN_SHAPES = ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16)
 
 
 def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
-    """Triton at D 32/64/128, bf16 and fp16, finalize on and off; cuDNN's attention (its LSE
-    layout and units) at D 64/128; then what auto picks for the head dims and dtypes the kernel
-    does not take. On CPU (``TRITON_INTERPRET=1``): a small subset, to exercise the suite
+    """Triton at D 32/64/128, bf16 and fp16, finalize on and off, also split along K/V (3
+    ranges and the combine); cuDNN's attention (its LSE layout and units, the combine) at D
+    64/128; then what auto picks for the head dims and dtypes the kernel does not take. On CPU (``TRITON_INTERPRET=1``): a small subset, to exercise the suite
     itself, or SKIP rows where the interpreter does not work with this numpy."""
     cpu = device.type != "cuda"
     seeds = range(2 if cpu else (4 if quick else 8))
@@ -176,6 +183,10 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         with _triton():
             for D, dtype, fin in _triton_configs(device):
                 _numerics_row(w, f"triton {_case_name(D, dtype, fin)}", device, D, dtype, fin, seeds, longest)
+            if not cpu:  # every config split along K/V (3 ranges), its combine finalizing or not
+                for D, dtype, fin in _triton_configs(device):
+                    _numerics_row(w, f"triton split-K/V {_case_name(D, dtype, fin)}", device, D, dtype, fin,
+                                  seeds, longest, n_split=3)
     if cpu:
         return
     why = cannot_run("cudnn", device, 128, torch.bfloat16)
@@ -191,8 +202,9 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
 
 
 def launches(w: RowWriter, device: torch.device) -> None:
-    """One small launch of every triton configuration (D, dtype, finalize, grouped K/V), each
-    checked against fp64: the program compute-sanitizer runs."""
+    """One small launch of every triton configuration (D, dtype, finalize, grouped K/V, split
+    along K/V with its combine) and, where cuDNN runs, cuDNN's op with the combine kernel,
+    each checked against fp64: the program compute-sanitizer runs."""
     longest = 160 if device.type == "cuda" else 24
     why = cannot_run("triton", device, 64, torch.bfloat16)
     if why is not None:
@@ -200,10 +212,17 @@ def launches(w: RowWriter, device: torch.device) -> None:
         return
     with _triton():
         for D, dtype, fin in _triton_configs(device):
-            for seed in (0, 1):  # seed 1: grouped K/V
-                r = numerics_case(device, D, dtype, fin, seed, longest, batch=1, heads=2)
-                w.check(f"launch {_case_name(D, dtype, fin)}{' gqa' if r['heads_kv'] == 1 else ''}",
-                        _passes(r, TOLERANCE[dtype]), f"err {r['err']:.1e}", **r)
+            for seed, n_split in ((0, None), (1, None), (2, 3)):  # seed 1: grouped K/V; 3 K/V ranges
+                r = numerics_case(device, D, dtype, fin, seed, longest, batch=1, heads=2, n_split=n_split)
+                name = _case_name(D, dtype, fin) + (" gqa" if r["heads_kv"] == 1 else "")
+                w.check(f"launch {name}{' split 3' if n_split else ''}", _passes(r, TOLERANCE[dtype]),
+                        f"err {r['err']:.1e}", **r)
+    if device.type == "cuda" and cannot_run("cudnn", device, 64, torch.bfloat16) is None:
+        with backend("cudnn"):  # cuDNN's op and the combine kernel
+            for D in (64, 128):
+                r = numerics_case(device, D, torch.bfloat16, True, 3, longest, batch=1, heads=2)
+                w.check(f"launch cudnn + combine D{D} bf16", _passes(r, TOLERANCE[torch.bfloat16]),
+                        f"err {r['err']:.1e}", **r)
     if device.type == "cuda":
         torch.cuda.synchronize()
 
