@@ -51,11 +51,11 @@ C_LQ, C_TILE0, NCF = tl.constexpr(26), tl.constexpr(27), tl.constexpr(28)
 TILE_ELEMENTS = 2048  # BLOCK_M * BLOCK_D of a program (16 rows at D 128) ...
 TILE_ELEMENTS_UNALIGNED = 512  # ... and without vector loads: a pointer per element held
 NUM_WARPS = 4
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _row_ptrs(row, FIELD: tl.constexpr, b, h, offs):
+def row_ptrs(row, FIELD: tl.constexpr, b, h, offs):
     """fp32 pointers to rows ``offs`` of [b, h] of the [B, H, L] tensor at ``row[FIELD:]``."""
     base = tl.load(row + FIELD).to(tl.pointer_type(tl.float32))
     return base + b * tl.load(row + FIELD + 1) + h * tl.load(row + FIELD + 2) + offs * tl.load(row + FIELD + 3)
@@ -104,8 +104,8 @@ def _combine_kernel(
     mask_m = offs_m < tl.load(row + C_LQ)
     mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    m_ptrs = _row_ptrs(row, C_M, b, h, offs_m)
-    l_ptrs = _row_ptrs(row, C_L, b, h, offs_m)
+    m_ptrs = row_ptrs(row, C_M, b, h, offs_m)
+    l_ptrs = row_ptrs(row, C_L, b, h, offs_m)
     acc_ptrs = _tile_ptrs(row, C_ACC, tl.float32, b, h, offs_m, offs_d, ALIGNED)
     m = tl.load(m_ptrs, mask=mask_m, other=float("-inf"))
     l = tl.load(l_ptrs, mask=mask_m, other=0.0)
@@ -250,7 +250,7 @@ class CombinePlan:
         lse = self.lse if lse is None else lse
         _combine_kernel[(self.n_tiles, *self.grid_bh)](
             self.table, part, lse, self.n_q, self.n_split, self.table if self.dead is None else self.dead,
-            PART=_TL_DTYPES[self.part_dtype], OUT=_TL_DTYPES[self.out_dtype], HEAD_DIM=self.head_dim,
+            PART=TL_DTYPES[self.part_dtype], OUT=TL_DTYPES[self.out_dtype], HEAD_DIM=self.head_dim,
             BLOCK_D=block_d(self.head_dim), BLOCK_M=self.block_m, HAS_DEAD=self.dead is not None,
             FINALIZE=self.finalizing, ALIGNED=self.aligned, num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -327,7 +327,7 @@ def aot_compile(head_dim: int, part_dtype: torch.dtype, out_dtype: torch.dtype, 
     from .triton_attend import compile_for
 
     constexprs = {
-        "PART": _TL_DTYPES[part_dtype], "OUT": _TL_DTYPES[out_dtype], "HEAD_DIM": head_dim,
+        "PART": TL_DTYPES[part_dtype], "OUT": TL_DTYPES[out_dtype], "HEAD_DIM": head_dim,
         "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m(head_dim, aligned), "HAS_DEAD": has_dead,
         "FINALIZE": finalize, "ALIGNED": aligned,
     }  # fmt: skip

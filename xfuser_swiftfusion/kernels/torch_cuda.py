@@ -272,15 +272,9 @@ def attend_torch(
     combine([s for _, s in work], o.split(lengths, dim=3), lse.split(lengths, dim=3), outs, dead)
 
 
-def prepare_torch(
-    q_chunks: Sequence[torch.Tensor],
-    kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    states: Sequence[AttnState],
-    scale: float,
-    op: AttnOp | None = None,
-    out: Sequence[torch.Tensor] | None = None,
-    kv_splits: int | None = None,
-) -> Callable[[], None]:
+def prepare_torch(q_chunks: Sequence[torch.Tensor], kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  states: Sequence[AttnState], scale: float, *, op: AttnOp | None = None,
+                  out: Sequence[torch.Tensor] | None = None, kv_splits: int | None = None) -> Callable[[], None]:
     """``attend_torch`` (without key masks) prepared once for CUDA tensors: the joined Q and
     K/V buffers allocated, the op and its split chosen, the combine's table built and uploaded.
     Each call of the result copies the chunks into the joined buffers, makes the op call and

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .combine import CombinePlan, split_count
+from .combine import TL_DTYPES, CombinePlan, split_count
+from .combine import row_ptrs as _rows  # fp32 pointers to rows of a [B, H, L] table tensor
 from .graph_tables import device_table
 from .interpret import interpreting
 from .state import AttnState, finalize
@@ -50,14 +51,6 @@ F_K, F_V, F_LK, F_KTILE0, NKF = (tl.constexpr(x) for x in (0, 4, 8, 9, 10))
 
 LOG2E = tl.constexpr(1.4426950408889634)
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _rows(row, FIELD: tl.constexpr, b, h, offs):
-    """fp32 pointers to elements ``offs`` of [b, h] of the [B, H, L] tensor at ``row[FIELD:]``."""
-    base = tl.load(row + FIELD).to(tl.pointer_type(tl.float32))
-    return base + b * tl.load(row + FIELD + 1) + h * tl.load(row + FIELD + 2) + offs * tl.load(row + FIELD + 3)
 
 
 @triton.jit
@@ -402,7 +395,7 @@ class _Plan:
         _multi_chunk_attn_kernel[(ready.n_tiles * ready.n_split, self.B, self.H)](
             ready.table, self.n_q, self.n_kv, self.scale, ready.n_split, ready.kv_tiles,
             ready.ws_out if split else ready.table, ready.ws_lse if split else ready.table,
-            DTYPE=_TL_DTYPES[self.dtype], HEAD_DIM=self.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            DTYPE=TL_DTYPES[self.dtype], HEAD_DIM=self.D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             FINALIZE=self.finalizing, UPCAST=self.interp, REP=self.rep, SPLIT=split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -572,7 +565,7 @@ def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = T
     heads per K/V head; ``split``: the split-K/V variant (``finalize`` does not apply to it)."""
     cfg = cfg or pick_config(head_dim, arch)
     constexprs = {
-        "DTYPE": _TL_DTYPES[dtype], "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m,
+        "DTYPE": TL_DTYPES[dtype], "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n, "FINALIZE": finalize and not split, "UPCAST": False, "REP": rep,
         "SPLIT": split,
     }  # fmt: skip
