@@ -468,6 +468,27 @@ def test_speed_times_each_backend_through_attend_and_its_prebuilt_kernels():
     assert got["kernel_how"] == {"cpu": "host"}
 
 
+def test_fused_launches_follow_the_schedule_with_the_same_flops():
+    """One launch per Torus stage and query entries: at most 12 per layer, the same work as the
+    per-ring-step launches; Flux 3072 px's are the issue's 2336 x 9344 and 9344 x 9344."""
+    for model in kernel.MODELS:
+        fused, ring = kernel.schedule_launches(model, fused=True), kernel.schedule_launches(model)
+        assert sum(x.count for x in fused) <= 12 < sum(x.count for x in ring)
+        assert sum(x.flops * x.count for x in fused) == pytest.approx(sum(x.flops * x.count for x in ring))
+    flux = kernel.schedule_launches(kernel.MODELS[0], fused=True)
+    assert sorted((sum(x.q_lens), sum(x.kv_lens), x.count) for x in flux) == [(2336, 9344, 8), (9344, 9344, 2)]
+
+
+def test_triton_variants_time_the_candidates_and_splits(monkeypatch):
+    from xfuser_swiftfusion.kernels import triton_attend
+    monkeypatch.setattr(triton_attend, "_device_info", lambda index: (90, 132))
+    short, full = kernel.schedule_launches(kernel.MODELS[0], fused=True)
+    labels = [label for label, _ in kernel.triton_variants(short, torch.device("cuda", 0), quick=False)]
+    assert "128x64 w8 s3 split 1" in labels and "128x64 w8 s3 split 4" in labels  # the default splits 2
+    assert "128x64 w8 s3 split 2" not in labels  # the default itself is timed as the backend
+    assert all(how["n_split"] == 1 for _, how in kernel.triton_variants(full, torch.device("cuda", 0), quick=False))
+
+
 def test_the_kernel_table_is_written_from_the_speed_rows(tmp_path):
     from xfuser_swiftfusion.tools.gpu_suite import write_kernel_table
     w = RowWriter(str(tmp_path / "r.jsonl"), "speed")
