@@ -320,12 +320,20 @@ def prepare_combine(states: Sequence[AttnState], parts: Sequence[torch.Tensor] |
     return CombinePlan(states, parts, lses, out, dead).launch
 
 
+def compile_for(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int, num_stages: int):
+    """Compile the jitted ``fn`` for ``sm_<arch>`` without a GPU; returns triton's
+    CompiledKernel (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` in bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def aot_compile(head_dim: int, part_dtype: torch.dtype, out_dtype: torch.dtype, arch: int,
                 finalize: bool = True, has_dead: bool = False, aligned: bool = True):
-    """Compile the combine kernel for ``sm_<arch>`` without a GPU (see
-    ``triton_attend.aot_compile``)."""
-    from .triton_attend import compile_for
-
+    """Compile the combine kernel for ``sm_<arch>`` without a GPU (``compile_for``)."""
     constexprs = {
         "PART": TL_DTYPES[part_dtype], "OUT": TL_DTYPES[out_dtype], "HEAD_DIM": head_dim,
         "BLOCK_D": block_d(head_dim), "BLOCK_M": block_m(head_dim, aligned), "HAS_DEAD": has_dead,

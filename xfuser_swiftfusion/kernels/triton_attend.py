@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .combine import TL_DTYPES, CombinePlan, split_count
+from .combine import TL_DTYPES, CombinePlan, compile_for, split_count
 from .combine import row_ptrs as _rows  # fp32 pointers to rows of a [B, H, L] table tensor
 from .graph_tables import device_table
 from .interpret import interpreting
@@ -548,17 +548,6 @@ def _set_first_tiles(rows: list[int], n_q: int, n_kv: int, block_m: int, block_n
 # ---------------------------------------------------------------------------------------
 # Ahead-of-time compilation (no GPU needed): used by tests and BENCHMARKS.md.
 # ---------------------------------------------------------------------------------------
-def compile_for(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int, num_stages: int):
-    """Compile the jitted ``fn`` for ``sm_<arch>`` without a GPU; returns triton's
-    CompiledKernel (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` in bytes)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-
 def aot_compile(head_dim: int, dtype: torch.dtype, arch: int, finalize: bool = True, cfg: KernelConfig | None = None,
                 rep: int = 1, split: bool = False):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``compile_for``). ``rep``: query
