@@ -668,6 +668,33 @@ def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
     assert launched == [(ta.TABLES[(128, 86)][0], 1), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
 
 
+def test_prepared_launch_a_gpu_refuses_falls_back_to_the_safe_one(monkeypatch):
+    """``prepare_triton``'s launch: a refused configuration (split here) is replaced by
+    SAFE_CONFIG unsplit at that call and for the device's later launches."""
+    from triton.runtime.errors import OutOfResources
+
+    from xfuser_swiftfusion.kernels import triton_attend as ta
+
+    monkeypatch.setattr(ta, "_device_info", lambda index: (90, 132))
+    monkeypatch.setattr(ta, "_rejected", set())
+    launched = []
+
+    def launch(plan, ready):
+        launched.append((ready.cfg, ready.n_split))
+        if ready.cfg != ta.SAFE_CONFIG:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(ta._Plan, "launch", launch)
+    q = torch.zeros(1, 3, 2336, 128, dtype=torch.bfloat16)
+    kv = [(torch.zeros(1, 3, 9344, 128, dtype=torch.bfloat16),) * 2]
+    run = ta.prepare_triton([q], kv, [new_state(q)], 0.1)
+    run()
+    run()
+    full = ta.TABLES[(128, 90)][0]
+    assert launched == [(full, 2), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
+    assert ta.launch_choice(CPU, 128, [2336], [9344], 3) == (ta.SAFE_CONFIG, 1)
+
+
 # Per-block shared memory limits (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 120: 101376, 90: 232448, 100: 232448}
 

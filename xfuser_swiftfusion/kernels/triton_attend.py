@@ -333,6 +333,17 @@ def launch_choice(device: torch.device, head_dim: int, q_lengths: Sequence[int],
     return (SAFE_CONFIG, 1) if (device.index, cfg) in _rejected else (cfg, splits)
 
 
+def _launch_config(device: torch.device, head_dim: int, q_lengths: Sequence[int], batch_heads: int,
+                   kv_lengths: Sequence[int] | None = None) -> KernelConfig:
+    """The configuration ``launch_choice`` picks (with ``kv_lengths``; without them,
+    ``pick_config``'s, as before split launches existed)."""
+    if kv_lengths is not None:
+        return launch_choice(device, head_dim, q_lengths, kv_lengths, batch_heads)[0]
+    sm, sms = _device_info(device.index)
+    cfg = pick_config(head_dim, sm, q_lengths, batch_heads, sms)
+    return SAFE_CONFIG if (device.index, cfg) in _rejected else cfg
+
+
 @dataclass
 class _Launch:
     """A launch ready to queue: the device table, grid sizes, and for a split launch its
@@ -523,12 +534,25 @@ def prepare_triton(
     the kernel launch (and a split launch's combine) alone, with no host allocation or copy, so
     it is cheap to issue and capturable in a CUDA graph (each call merges into ``states``
     again). ``cfg`` and ``n_split``: as ``attend_triton`` (by default the configuration this
-    device accepts)."""
+    device accepts). A configuration the GPU refuses at the first call (``OutOfResources``,
+    before anything is written) is replaced by ``SAFE_CONFIG`` unsplit, for later launches
+    of the device too (that one call prepares again)."""
     plan = _plan(q_chunks, kv_chunks, states, scale, out, cfg, n_split)
     if plan is None:
         raise ValueError("prepare_triton: nothing to launch (no query rows or no keys)")
-    ready = plan.prepare(plan.cfg, plan.n_split)
-    return lambda: plan.launch(ready)
+    ready = [plan.prepare(plan.cfg, plan.n_split)]
+
+    def run() -> None:
+        try:
+            plan.launch(ready[0])
+        except OutOfResources:  # raised before the state is touched: SAFE_CONFIG from now on
+            if plan.interp or ready[0].cfg == SAFE_CONFIG:
+                raise
+            _rejected.add((plan.device.index, ready[0].cfg))
+            ready[0] = plan.prepare(SAFE_CONFIG, 1)
+            plan.launch(ready[0])
+
+    return run
 
 
 def _set_first_tiles(rows: list[int], n_q: int, n_kv: int, block_m: int, block_n: int) -> tuple[int, int]:
