@@ -645,23 +645,33 @@ def test_pick_config_takes_smaller_query_tiles_for_small_grids():
     assert pick_config(128, 9) == pick_config(128, 90) == full  # a major version means x.0
 
 
-def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
-    """A GPU that refuses the tabled configuration (OutOfResources, raised before anything
-    runs) gets SAFE_CONFIG, now and for later launches."""
+def _gpu_refusing_all_but_safe(monkeypatch, sm: int, sms: int) -> list:
+    """triton_attend on a fake GPU (``sm``, ``sms`` SMs) that refuses every configuration but
+    SAFE_CONFIG (OutOfResources, raised before anything runs); returns the (configuration,
+    splits) of each launch tried."""
     from triton.runtime.errors import OutOfResources
 
     from xfuser_swiftfusion.kernels import triton_attend as ta
 
-    monkeypatch.setattr(ta, "_device_info", lambda index: (120, 8))  # 16 programs fill 8 SMs
+    monkeypatch.setattr(ta, "_device_info", lambda index: (sm, sms))
     monkeypatch.setattr(ta, "_rejected", set())
     launched = []
 
     def launch(plan, ready):
         launched.append((ready.cfg, ready.n_split))
         if ready.cfg != ta.SAFE_CONFIG:
-            raise OutOfResources(200_000, 101_376, "shared memory")
+            raise OutOfResources(300_000, 101_376, "shared memory")
 
     monkeypatch.setattr(ta._Plan, "launch", launch)
+    return launched
+
+
+def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
+    """A GPU that refuses the tabled configuration gets SAFE_CONFIG, now and for later
+    launches."""
+    from xfuser_swiftfusion.kernels import triton_attend as ta
+
+    launched = _gpu_refusing_all_but_safe(monkeypatch, 120, 8)  # 16 programs fill 8 SMs
     q = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     for _ in range(2):
         ta.attend_triton([q], [(q, q)], [new_state(q)], 0.1)
@@ -671,27 +681,15 @@ def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
 def test_prepared_launch_a_gpu_refuses_falls_back_to_the_safe_one(monkeypatch):
     """``prepare_triton``'s launch: a refused configuration (split here) is replaced by
     SAFE_CONFIG unsplit at that call and for the device's later launches."""
-    from triton.runtime.errors import OutOfResources
-
     from xfuser_swiftfusion.kernels import triton_attend as ta
 
-    monkeypatch.setattr(ta, "_device_info", lambda index: (90, 132))
-    monkeypatch.setattr(ta, "_rejected", set())
-    launched = []
-
-    def launch(plan, ready):
-        launched.append((ready.cfg, ready.n_split))
-        if ready.cfg != ta.SAFE_CONFIG:
-            raise OutOfResources(300_000, 232_448, "shared memory")
-
-    monkeypatch.setattr(ta._Plan, "launch", launch)
+    launched = _gpu_refusing_all_but_safe(monkeypatch, 90, 132)
     q = torch.zeros(1, 3, 2336, 128, dtype=torch.bfloat16)
     kv = [(torch.zeros(1, 3, 9344, 128, dtype=torch.bfloat16),) * 2]
     run = ta.prepare_triton([q], kv, [new_state(q)], 0.1)
     run()
     run()
-    full = ta.TABLES[(128, 90)][0]
-    assert launched == [(full, 2), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
+    assert launched == [(ta.TABLES[(128, 90)][0], 2), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
     assert ta.launch_choice(CPU, 128, [2336], [9344], 3) == (ta.SAFE_CONFIG, 1)
 
 
