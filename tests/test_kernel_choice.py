@@ -11,7 +11,7 @@ launch-configuration table.
 * The measured choice table: a fake table (env ``SWIFTFUSION_KERNEL_TABLE``) orders the
   automatic choice for its architecture and shapes; without a table or an entry, the default
   rule holds.
-* flash backend: one flash_attn_func call per Q chunk on the concatenated K/V.
+* flash backend: one flash_attn_func call on the joined Q chunks and the joined K/V.
 * Triton table: ``pick_config``'s small-grid rule; every entry AOT-compiled for every GPU it
   serves (shared memory fits, no register spills); every entry's tile shape run under the
   Triton interpreter (subprocess: TRITON_INTERPRET must be set before triton is imported)
@@ -181,8 +181,10 @@ def test_attend_routes_each_call_by_its_shape(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "current_backend",
                         lambda device, d, dt: dispatch.select_backend(CUDA, None, d, dt))  # fmt: skip
-    monkeypatch.setattr(flash_backend, "attend_flash", lambda q, kv, s, scale: calls.append(("flash", q[0].shape[-1])))
-    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale: calls.append(("torch", q[0].shape[-1])))
+    monkeypatch.setattr(flash_backend, "attend_flash",
+                        lambda q, kv, s, scale, **kw: calls.append(("flash", q[0].shape[-1])))
+    monkeypatch.setattr(torch_cuda, "attend_torch",
+                        lambda q, kv, s, scale, **kw: calls.append(("torch", q[0].shape[-1])))
     import xfuser_swiftfusion.kernels.triton_attend as triton_attend
 
     monkeypatch.setattr(triton_attend, "prepare_triton",
@@ -251,8 +253,8 @@ def test_torch_backend_merge_matches_reference(dtype, D):
     op = _cpu_op()
     torch_cuda.attend_torch(q_chunks, kv_chunks[:2], states, scale, op=op)
     torch_cuda.attend_torch(q_chunks, kv_chunks[2:], states, scale, op=op)
-    # one op call per non-empty Q chunk and call, each on all of that call's keys
-    assert [c[:2] for c in op.calls] == [(5, 7), (33, 7), (70, 7), (5, 41), (33, 41), (70, 41)]
+    # one op call per attend_torch call: every non-empty Q chunk joined, against all its keys
+    assert [c[:2] for c in op.calls] == [(108, 7), (108, 41)]
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[dtype])
 
@@ -316,7 +318,7 @@ def test_cudnn_backend_merge_matches_reference(monkeypatch, dtype, D):
     states = [new_state(q) for q in q_chunks]
     torch_cuda.attend_torch(q_chunks, kv_chunks[:2], states, scale, op=torch_cuda.cudnn_op)
     torch_cuda.attend_torch(q_chunks, kv_chunks[2:], states, scale, op=torch_cuda.cudnn_op)
-    assert calls == [(5, 7, scale), (33, 7, scale), (5, 40, scale), (33, 40, scale)]
+    assert calls == [(38, 7, scale), (38, 40, scale)]  # Q chunks joined: one call per attend
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[dtype])
 
@@ -353,11 +355,164 @@ def test_cudnn_choice_runs_through_the_cudnn_op(monkeypatch):
     _packages(monkeypatch, flash=False)
     monkeypatch.setattr(dispatch, "current_backend", lambda device, d, dt: "cudnn")
     ops = []
-    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale, op=None: ops.append(op))
+    monkeypatch.setattr(torch_cuda, "attend_torch", lambda q, kv, s, scale, op=None, **kw: ops.append(op))
     q = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
     dispatch.attend([q], [(q, q)], [new_state(q)], scale=0.1)
     assert ops == [torch_cuda.cudnn_op]
     assert dispatch.masked_backend(CUDA, "cudnn") == "torch"  # key masks: the torch backend
+
+
+# ------------------------------------------------------------------ one op call + one combine
+def _cpu_sdpa(q, k, v, scale):
+    """torch's CPU attention op as an ``AttnOp`` (out [B, H, Lq, D], LSE fp32 [B, H, Lq])."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+
+
+def test_torch_backend_finalizes_in_the_same_call():
+    """``out`` given: the call writes acc / l of every chunk (rows without keys: 0), including
+    a call with no keys at all (finalize only)."""
+    torch.manual_seed(11)
+    q_chunks = [torch.randn(1, 2, L, 40) for L in (6, 0, 13)]
+    kv = [(torch.randn(1, 2, L, 40), torch.randn(1, 2, L, 40)) for L in (9, 4)]
+    states = [new_state(q) for q in q_chunks]
+    outs = [torch.full_like(q, float("nan")) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, kv, states, 0.2, op=_cpu_sdpa, out=outs)
+    for q, o in zip(q_chunks, outs):
+        ref_out, _ = reference(q, kv, 0.2)
+        assert (o.double() - ref_out).abs().max().item() <= 1e-5 if q.numel() else o.numel() == 0
+    fresh = [new_state(q) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, [], fresh, 0.2, op=_cpu_sdpa, out=outs)
+    assert all(torch.equal(o, torch.zeros_like(o)) for o in outs)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 12])
+def test_cudnn_split_call_batches_equal_kv_ranges(monkeypatch, splits):
+    """A split cuDNN call: Q repeated ``splits`` times against the K/V ranges in ONE op call
+    (batch ``splits * B``), the partials merged exactly."""
+    calls = []
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", _cpu_cudnn_sdpa(calls))
+    torch.manual_seed(splits)
+    q_chunks = [torch.randn(2, 3, L, 64, dtype=torch.bfloat16) for L in (10, 7)]
+    kv = [tuple(torch.randn(2, 3, L, 64, dtype=torch.bfloat16) for _ in range(2)) for L in (24, 0, 24)]
+    states = [new_state(q) for q in q_chunks]
+    torch_cuda.attend_torch(q_chunks, kv, states, 0.125, op=torch_cuda.cudnn_op, kv_splits=splits)
+    assert calls == [(17, 48 // splits, 0.125)]
+    for q, s in zip(q_chunks, states):
+        assert_state_matches(s, q, kv, 0.125, TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="kv_splits must divide the joined K/V length 48"):
+        torch_cuda.attend_torch(q_chunks, kv, states, 0.125, op=torch_cuda.cudnn_op, kv_splits=5)
+
+
+def test_cudnn_split_ranges_copied_where_strided_views_are_refused(monkeypatch, caplog):
+    """cuDNN refusing the K/V ranges as strided views (not known to happen): they are copied
+    from then on, logged once, and the result is the same."""
+    calls, refused = [], []
+
+    def picky(q, k, v, *args, **kwargs):
+        if not k.is_contiguous():
+            refused.append(k.shape)
+            raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+        return _cpu_cudnn_sdpa(calls)(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch_cuda, "_cudnn_sdpa", picky)
+    monkeypatch.setattr(torch_cuda, "_split_views_refused", False)
+    torch.manual_seed(12)
+    q = torch.randn(1, 2, 9, 32, dtype=torch.bfloat16)
+    kv = [tuple(torch.randn(1, 2, 16, 32, dtype=torch.bfloat16) for _ in range(2))]
+    with caplog.at_level(logging.INFO, logger="xfuser.swiftfusion.kernels"):
+        for _ in range(2):
+            s = [new_state(q)]
+            torch_cuda.attend_torch([q], kv, s, 0.2, op=torch_cuda.cudnn_op, kv_splits=4)
+            assert_state_matches(s[0], q, kv, 0.2, TOL[torch.bfloat16])
+    assert len(refused) == 1 and len(calls) == 2
+    assert sum("copied from now on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_split_count_fills_the_gpu_and_only_then():
+    from xfuser_swiftfusion.kernels.combine import MAX_SPLITS, split_count
+
+    assert split_count(132, 500, 132) == 1  # a full wave: no split
+    assert split_count(60, 146, 132) == 2  # 120 programs, one wave of half the keys
+    assert split_count(10, 400, 132) == 13  # 130 programs
+    assert split_count(1, 10_000, 132) == MAX_SPLITS
+    assert split_count(60, 6, 132) == 1  # too few K/V tiles to split
+    assert split_count(100, 200, 132) == 5  # 500 programs: 95 % of 4 waves busy, 76 % of 1
+    assert split_count(130, 200, 132) == 1  # two waves of half the work: no gain
+    assert split_count(60, 146, 132, allowed=lambda s: s % 3 == 0) == 6  # 360 programs: 3 full waves
+    assert split_count(60, 146, 132, allowed=lambda s: False) == 1
+    assert split_count(0, 10, 132) == split_count(5, 10, 0) == 1
+
+
+def test_cudnn_kv_splits_for_the_short_query_launches():
+    """Flux 3072 px on 4 x 8, one GPU: 3 heads x 2336 queries (55 tiles) against 9344 keys on
+    132 SMs: two ranges; a launch of 9344 queries fills the GPU unsplit."""
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 9344, 132) == 2
+    assert torch_cuda.cudnn_kv_splits(3, 9344, 9344, 132) == 1
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 2 * 1163, 132) == 2  # a divisor of the keys
+    assert torch_cuda.cudnn_kv_splits(3, 2336, 4651, 132) == 1  # a prime: no equal ranges
+
+
+def test_pick_launch_splits_short_query_launches_along_kv():
+    from xfuser_swiftfusion.kernels.triton_attend import TABLES, pick_launch
+
+    full, small = TABLES[(128, 90)]
+    # Pull-Q of Flux 3072 px: 2 x 1168 queries (20 tiles of 128) x 3 heads = 60 programs
+    assert pick_launch(128, 90, [1168, 1168], [1168] * 8, 3, 132) == (full, 2)
+    assert pick_launch(128, 90, [1168] * 8, [1168] * 2, 3, 132) == (full, 1)  # 240 programs
+    assert pick_launch(128, 90, [1168, 1168], [64], 3, 132) == (small, 1)  # 1 K/V tile: no split
+    assert pick_launch(64, 80, [100], [5000], 1, 108) == (TABLES[(64, 80)][0], 16)
+
+
+# Ops that queue no device work (views and metadata) and ops that make the host wait for the
+# device (a value read back, a data-dependent shape).
+_NO_KERNEL = {"detach", "lift_fresh", "alias"}
+_SYNCING = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "masked_select", "equal", "unique",
+            "_unique2", "to_dense"}
+
+
+def _device_ops(fn) -> list[str]:
+    """Names of the aten ops ``fn`` dispatches that queue device work (no views)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in _NO_KERNEL:
+                names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return names
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_backend_call_queues_a_few_kernels_whatever_the_chunks(monkeypatch, masked):
+    """What filled the GPU's launch queue and held the host back (H100 replay, cudnn and torch
+    flash): a merge of about a dozen kernels per Q chunk. Now a backend call queues the joins,
+    one op and one combine launch, however many chunks, and nothing that syncs the host."""
+    from xfuser_swiftfusion.kernels import combine
+
+    launched = []
+    monkeypatch.setattr(combine, "uses_kernel", lambda device: True)
+    monkeypatch.setattr(combine.CombinePlan, "__init__", lambda self, *a: launched.append(len(a[0])))
+    monkeypatch.setattr(combine.CombinePlan, "launch", lambda self: None)
+    monkeypatch.setattr(torch_cuda, "masked_efficient_op", lambda q, k, v, scale, bias: _cpu_sdpa(q, k, v, scale))
+    counts = []
+    for n_q in (2, 8):
+        q_chunks = [torch.randn(1, 3, 16, 64) for _ in range(n_q)]
+        kv = [(torch.randn(1, 3, 32, 64), torch.randn(1, 3, 32, 64)) for _ in range(2)]
+        masks = [torch.rand(1, 32) > 0.5 for _ in kv] if masked else None
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.empty_like(q) for q in q_chunks]
+        names = _device_ops(lambda: torch_cuda.attend_torch(q_chunks, kv, states, 0.1, None if masked else _cpu_sdpa,
+                                                            key_masks=masks, out=outs))
+        assert not _SYNCING & set(names), names
+        counts.append(len(names))
+    assert counts[0] == counts[1] <= (10 if masked else 4), counts  # cat K, V, Q, the op (+ the mask's bias)
+    assert launched == [2, 8]  # one combine per call, over every chunk
 
 
 # ------------------------------------------------------------------ measured choice table
@@ -448,7 +603,7 @@ def _fake_flash_attn(calls):
 
 
 @pytest.mark.parametrize("D", [64, 72, 88])
-def test_flash_backend_one_call_per_q_chunk_on_concatenated_kv(monkeypatch, D):
+def test_flash_backend_one_call_on_joined_q_and_kv(monkeypatch, D):
     calls = []
     monkeypatch.setattr(flash_backend, "_flash_attn_func", lambda: _fake_flash_attn(calls))
     rng = random.Random(D)
@@ -460,7 +615,7 @@ def test_flash_backend_one_call_per_q_chunk_on_concatenated_kv(monkeypatch, D):
     states = [new_state(q) for q in q_chunks]
     flash_backend.attend_flash(q_chunks, kv_chunks[:3], states, scale)
     flash_backend.attend_flash(q_chunks, kv_chunks[3:], states, scale)
-    assert calls == [(4, 12), (17, 12), (4, 20), (17, 20)]
+    assert calls == [(21, 12), (21, 20)]  # Q chunks joined: one call per attend
     for q, s in zip(q_chunks, states):
         assert_state_matches(s, q, kv_chunks, scale, TOL[torch.bfloat16])
 
@@ -490,27 +645,52 @@ def test_pick_config_takes_smaller_query_tiles_for_small_grids():
     assert pick_config(128, 9) == pick_config(128, 90) == full  # a major version means x.0
 
 
-def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
-    """A GPU that refuses the tabled configuration (OutOfResources, raised before anything
-    runs) gets SAFE_CONFIG, now and for later launches."""
+def _gpu_refusing_all_but_safe(monkeypatch, sm: int, sms: int) -> list:
+    """triton_attend on a fake GPU (``sm``, ``sms`` SMs) that refuses every configuration but
+    SAFE_CONFIG (OutOfResources, raised before anything runs); returns the (configuration,
+    splits) of each launch tried."""
     from triton.runtime.errors import OutOfResources
 
     from xfuser_swiftfusion.kernels import triton_attend as ta
 
-    monkeypatch.setattr(ta, "_device_info", lambda index: (120, 8))  # 16 programs fill 8 SMs
+    monkeypatch.setattr(ta, "_device_info", lambda index: (sm, sms))
     monkeypatch.setattr(ta, "_rejected", set())
     launched = []
 
-    def launch(plan, table, n_tiles, cfg):
-        launched.append(cfg)
-        if cfg != ta.SAFE_CONFIG:
-            raise OutOfResources(200_000, 101_376, "shared memory")
+    def launch(plan, ready):
+        launched.append((ready.cfg, ready.n_split))
+        if ready.cfg != ta.SAFE_CONFIG:
+            raise OutOfResources(300_000, 101_376, "shared memory")
 
     monkeypatch.setattr(ta._Plan, "launch", launch)
+    return launched
+
+
+def test_rejected_config_falls_back_to_the_safe_one(monkeypatch):
+    """A GPU that refuses the tabled configuration gets SAFE_CONFIG, now and for later
+    launches."""
+    from xfuser_swiftfusion.kernels import triton_attend as ta
+
+    launched = _gpu_refusing_all_but_safe(monkeypatch, 120, 8)  # 16 programs fill 8 SMs
     q = torch.zeros(1, 2, 1000, 128, dtype=torch.bfloat16)
     for _ in range(2):
         ta.attend_triton([q], [(q, q)], [new_state(q)], 0.1)
-    assert launched == [ta.TABLES[(128, 86)][0], ta.SAFE_CONFIG, ta.SAFE_CONFIG]
+    assert launched == [(ta.TABLES[(128, 86)][0], 1), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
+
+
+def test_prepared_launch_a_gpu_refuses_falls_back_to_the_safe_one(monkeypatch):
+    """``prepare_triton``'s launch: a refused configuration (split here) is replaced by
+    SAFE_CONFIG unsplit at that call and for the device's later launches."""
+    from xfuser_swiftfusion.kernels import triton_attend as ta
+
+    launched = _gpu_refusing_all_but_safe(monkeypatch, 90, 132)
+    q = torch.zeros(1, 3, 2336, 128, dtype=torch.bfloat16)
+    kv = [(torch.zeros(1, 3, 9344, 128, dtype=torch.bfloat16),) * 2]
+    run = ta.prepare_triton([q], kv, [new_state(q)], 0.1)
+    run()
+    run()
+    assert launched == [(ta.TABLES[(128, 90)][0], 2), (ta.SAFE_CONFIG, 1), (ta.SAFE_CONFIG, 1)]
+    assert ta.launch_choice(CPU, 128, [2336], [9344], 3) == (ta.SAFE_CONFIG, 1)
 
 
 # Per-block shared memory limits (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -553,10 +733,34 @@ def compiler():
 @pytest.mark.parametrize("D,arch,cfg", _aot_cases(), ids=lambda x: f"{x}" if not hasattr(x, "block_m") else
                          f"{x.block_m}x{x.block_n}w{x.num_warps}s{x.num_stages}")  # fmt: skip
 def test_table_entry_fits_without_spills(compiler, D, arch, cfg):
+    """Every variant of the attention kernel an entry launches: finalizing (bf16), not
+    finalizing (fp16), split along K/V (partials to the workspace)."""
+    from xfuser_swiftfusion.kernels.triton_attend import aot_compile, resource_usage
+
     for dtype, finalize in ((torch.bfloat16, True), (torch.float16, False)):
         usage = compiler(D, dtype, arch, finalize, cfg)
         assert 0 < usage["shared"] <= SHARED_LIMIT[arch], usage
         assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills ({dtype}, {finalize}): {usage}"
+    usage = resource_usage(aot_compile(D, torch.bfloat16, arch, cfg=cfg, split=True))
+    assert 0 < usage["shared"] <= SHARED_LIMIT[arch], usage
+    assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills (split): {usage}"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("D", [32, 72, 128, 256])
+def test_combine_kernel_fits_without_spills(compiler, D, arch):
+    """The combine kernel over the head dims the backends run (its tiles are D rounded up to a
+    power of two: 72 stands for 72-128, 256 for 136-256), partials in bf16 (SDPA ops) and fp32
+    (the split workspace), with and without vector loads (``aligned``)."""
+    from xfuser_swiftfusion.kernels import combine
+    from xfuser_swiftfusion.kernels.triton_attend import resource_usage
+
+    for part, out, finalize, dead, aligned in ((torch.bfloat16, torch.bfloat16, True, False, True),
+                                               (torch.float32, torch.float16, True, False, False),
+                                               (torch.float32, torch.float32, False, True, True)):
+        usage = resource_usage(combine.aot_compile(D, part, out, arch, finalize, dead, aligned))
+        assert usage["shared"] <= SHARED_LIMIT[arch], usage
+        assert usage["registers"] <= 255 and usage["stack"] == 0, f"register spills ({part}, {out}): {usage}"
 
 
 # --------------------------------------------- triton table numerics (interpreter subprocess)

@@ -37,15 +37,26 @@ RANDOM_CASES = [
     ]
 ]
 SPECIAL_CASES = ["many-q-chunks", "no-kv-finalize", "large-scores", "unaligned-input", "unaligned-state-raises",
-                 "prepared-launch"]
+                 "prepared-launch", "split-kv", "split-kv-prepared-no-host-work", "combine-matches-torch-merge",
+                 "combine-finalize-only", "combine-nan-propagates", "torch-backend-through-combine",
+                 "torch-backend-key-masked-through-combine"]
 
 
 # ------------------------------------------------------------------ subprocess side
+def _random_state(B: int, H: int, L: int, D: int):
+    """A running state part-way through: random acc, m, l, every third row still empty."""
+    from xfuser_swiftfusion.kernels import AttnState
+
+    acc, m, l = torch.randn(B, H, L, D), torch.randn(B, H, L) * 3, torch.rand(B, H, L) + 0.5
+    m[..., ::3], l[..., ::3], acc[..., ::3, :] = float("-inf"), 0.0, 0.0
+    return AttnState(acc, m, l)
+
+
 def _interpreter_cases() -> dict:
     """Runs in the subprocess (TRITON_INTERPRET=1); one callable per case name."""
     from test_kernels import TOL, assert_matches, make_case, reference, run_in_calls
 
-    from xfuser_swiftfusion.kernels import attend, new_state
+    from xfuser_swiftfusion.kernels import AttnState, attend, new_state
 
     def random_case(dtype_name, B, H, D):
         dtype = getattr(torch, dtype_name)
@@ -122,6 +133,159 @@ def _interpreter_cases() -> dict:
             ref_out, ref_lse = reference(q, kv, 0.125)
             assert_matches(o, s.lse() - math.log(2), ref_out, ref_lse, TOL[torch.bfloat16])
 
+    def split_kv():  # every split count (more ranges than K/V tiles too), GQA, two calls
+        from xfuser_swiftfusion.kernels.triton_attend import KernelConfig, attend_triton
+
+        cfg = KernelConfig(32, 32, 1, 1)
+        for dtype, n_split in ((torch.float32, 2), (torch.float32, 5), (torch.bfloat16, 3), (torch.float16, 9)):
+            torch.manual_seed(n_split)
+            q_chunks = [torch.randn(2, 4, L, 64, dtype=dtype) for L in (5, 0, 40)]
+            kv = [tuple(torch.randn(2, 2, L, 64, dtype=dtype) for _ in range(2)) for L in (33, 0, 70, 1)]
+            states = [new_state(q) for q in q_chunks]
+            attend_triton(q_chunks, kv[:2], states, 0.125, cfg=cfg, n_split=n_split)
+            outs = [torch.full(q.shape, float("nan"), dtype=dtype) for q in q_chunks]
+            attend_triton(q_chunks, kv[2:], states, 0.125, out=outs, cfg=cfg, n_split=n_split)
+            for q, o, s in zip(q_chunks, outs, states):
+                assert_matches(o, s.lse(), *reference(q, kv, 0.125), TOL[dtype])
+
+    def split_kv_prepared_no_host_work():
+        """A prepared split launch: workspace and both tables made once; a call allocates and
+        uploads nothing (what CUDA graph capture and cheap issue need)."""
+        from xfuser_swiftfusion.kernels import graph_tables, triton_attend
+
+        torch.manual_seed(5)
+        q_chunks = [torch.randn(1, 2, L, 32) for L in (9, 40)]
+        kv = [(torch.randn(1, 2, L, 32), torch.randn(1, 2, L, 32)) for L in (50, 30)]
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.empty_like(q) for q in q_chunks]
+        launch = triton_attend.prepare_triton(q_chunks, kv, states, 0.2, out=outs,
+                                              cfg=triton_attend.KernelConfig(32, 16, 1, 1), n_split=3)
+        made = []
+        real_empty, real_table = torch.empty, graph_tables.device_table
+        torch.empty = lambda *a, **k: made.append("empty") or real_empty(*a, **k)
+        triton_attend.device_table = lambda *a, **k: made.append("table") or real_table(*a, **k)
+        try:
+            launch()
+            launch()  # the same keys merged again: the output stays, the LSE grows by log 2
+        finally:
+            torch.empty, triton_attend.device_table = real_empty, real_table
+        assert made == [], made
+        for q, o, s in zip(q_chunks, outs, states):
+            ref_out, ref_lse = reference(q, kv, 0.2)
+            assert_matches(o, s.lse() - math.log(2), ref_out, ref_lse, 1e-5)
+
+    def combine_case(S, part_dtype, D, dead, finalize):
+        """The combine kernel against the torch-op merge (state.merge_partial_ /
+        merge_masked_ / finalize) on the same inputs."""
+        from xfuser_swiftfusion.kernels.combine import CombinePlan
+        from xfuser_swiftfusion.kernels.state import finalize as finalize_state, merge_masked_, merge_partial_
+
+        B, H = 2, 3
+        lengths = (5, 0, 40)
+        states = [_random_state(B, H, L, D) for L in lengths]
+        twins = [AttnState(s.acc.clone(), s.m.clone(), s.l.clone()) for s in states]
+        parts = [torch.randn(S, B, L, H, D).to(part_dtype).transpose(2, 3) for L in lengths]  # [S, B, H, L, D] views
+        lses = [torch.randn(S, B, H, L) * 3 for L in lengths]
+        for x in lses:
+            x[..., 1::4] = float("-inf")  # partial rows without keys
+        outs = [torch.full((B, H, L, D), float("nan"), dtype=part_dtype) for L in lengths] if finalize else None
+        CombinePlan(states, [p if S > 1 else p[0] for p in parts], [x if S > 1 else x[0] for x in lses],
+                    outs, dead).launch()
+        for i, t in enumerate(twins):
+            for p, x in zip(parts[i], lses[i]):
+                merge_partial_(t, p, x) if dead is None else merge_masked_(t, p, x, dead)
+            if finalize:
+                want = finalize_state(t, part_dtype)
+                # the interpreter rounds fp32 -> bf16/fp16 toward zero (GPUs round to nearest)
+                top = want.abs().max().item() if want.numel() else 0.0
+                tol = 1e-5 if part_dtype == torch.float32 else 2 * torch.finfo(part_dtype).eps * top
+                torch.testing.assert_close(outs[i].float(), want.float(), rtol=0, atol=tol)
+        for s, t in zip(states, twins):
+            assert torch.equal(s.m, t.m)
+            torch.testing.assert_close(s.l, t.l, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(s.acc, t.acc, rtol=1e-5, atol=1e-5)
+
+    def combine_matches_torch_merge():
+        torch.manual_seed(6)
+        dead = torch.tensor([False, True])
+        for S, part_dtype, D, dead_, finalize in [(1, torch.float32, 64, None, False), (3, torch.float32, 72, None, True),
+                                                  (1, torch.bfloat16, 128, dead, True), (2, torch.float16, 32, dead, False),
+                                                  (4, torch.bfloat16, 96, None, True)]:
+            combine_case(S, part_dtype, D, dead_, finalize)
+
+    def combine_finalize_only():
+        from xfuser_swiftfusion.kernels.combine import combine
+
+        torch.manual_seed(7)
+        states = [_random_state(1, 2, L, 64) for L in (7, 0, 33)]
+        outs = [torch.full((1, 2, L, 64), float("nan")) for L in (7, 0, 33)]
+        combine(states, None, None, outs)
+        for s, o in zip(states, outs):
+            want = s.acc / s.l.masked_fill(s.l == 0, 1.0).unsqueeze(-1)
+            assert torch.equal(o, want) and not o.isnan().any()
+
+    def combine_nan_propagates():  # a NaN partial row poisons its row only, as torch's merge does
+        from xfuser_swiftfusion.kernels.combine import combine
+
+        states = [_random_state(1, 2, 6, 32)]
+        part, lse = torch.randn(1, 2, 6, 32), torch.randn(1, 2, 6)
+        lse[0, 1, 2] = float("nan")
+        combine(states, [part], [lse])
+        bad = torch.zeros(1, 2, 6, dtype=torch.bool)
+        bad[0, 1, 2] = True
+        assert torch.equal(states[0].m.isnan(), bad) and torch.equal(states[0].acc.isnan().any(-1), bad)
+
+    def torch_backend_through_combine():
+        """attend_torch (the cuDNN / torch backends' merge) with the CPU op, merged by the
+        combine kernel: joined Q, K/V split ranges, outputs written by the same launch."""
+        from xfuser_swiftfusion.kernels import torch_cuda
+
+        def op(q, k, v, scale):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+
+        torch.manual_seed(8)
+        for dtype, splits in ((torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 2)):
+            q_chunks = [torch.randn(2, 4, L, 72, dtype=dtype) for L in (5, 0, 33)]
+            kv = [tuple(torch.randn(2, 2, L, 72, dtype=dtype) for _ in range(2)) for L in (8, 0, 12, 20)]
+            states = [new_state(q) for q in q_chunks]
+            torch_cuda.attend_torch(q_chunks, kv[:2], states, 0.125, op=op, kv_splits=splits)
+            outs = [torch.full(q.shape, float("nan"), dtype=dtype) for q in q_chunks]
+            torch_cuda.attend_torch(q_chunks, kv[2:], states, 0.125, op=op, out=outs, kv_splits=splits)
+            for q, o, s in zip(q_chunks, outs, states):
+                assert_matches(o, s.lse(), *reference(q, kv, 0.125), TOL[dtype])
+        # prepared once (joined buffers, split, combine table); each call merges the keys again
+        q_chunks = [torch.randn(1, 2, L, 64) for L in (9, 4)]
+        kv = [(torch.randn(1, 2, L, 64), torch.randn(1, 2, L, 64)) for L in (6, 10)]
+        states = [new_state(q) for q in q_chunks]
+        outs = [torch.empty_like(q) for q in q_chunks]
+        run = torch_cuda.prepare_torch(q_chunks, kv, states, 0.2, op=op, out=outs, kv_splits=2)
+        run()
+        run()
+        for q, o, s in zip(q_chunks, outs, states):
+            ref_out, ref_lse = reference(q, kv, 0.2)
+            assert_matches(o, s.lse() - math.log(2), ref_out, ref_lse, 1e-5)
+
+    def torch_backend_key_masked_through_combine():
+        """A key-masked call (the torch backend on CUDA): a batch entry with every key masked
+        gains nothing, whatever the op returned for it."""
+        from support.reference import attention_lse
+
+        from xfuser_swiftfusion.kernels import torch_cuda
+
+        torch.manual_seed(9)
+        q = torch.randn(2, 2, 6, 32)
+        kv = [(torch.randn(2, 2, L, 32), torch.randn(2, 2, L, 32)) for L in (5, 8)]
+        masks = [torch.rand(2, L) > 0.3 for L in (5, 8)]
+        masks[0][1] = masks[1][1] = False
+        torch_cuda.masked_efficient_op = lambda q, k, v, scale, bias: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale)[:2]
+        s = [new_state(q)]
+        out = [torch.full_like(q, float("nan"))]
+        torch_cuda.attend_torch([q], kv, s, 0.3, key_masks=masks, out=out)
+        ref_out, ref_lse = attention_lse(q, torch.cat([k for k, _ in kv], 2), torch.cat([v for _, v in kv], 2), 0.3,
+                                         torch.cat(masks, 1))
+        assert_matches(out[0], s[0].lse(), ref_out, ref_lse, 1e-5)
+
     cases = {name: (lambda a=args: random_case(*a)) for name, *args in RANDOM_CASES}
     cases.update(
         {
@@ -131,6 +295,13 @@ def _interpreter_cases() -> dict:
             "unaligned-input": unaligned_input,
             "unaligned-state-raises": unaligned_state_raises,
             "prepared-launch": prepared_launch,
+            "split-kv": split_kv,
+            "split-kv-prepared-no-host-work": split_kv_prepared_no_host_work,
+            "combine-matches-torch-merge": combine_matches_torch_merge,
+            "combine-finalize-only": combine_finalize_only,
+            "combine-nan-propagates": combine_nan_propagates,
+            "torch-backend-through-combine": torch_backend_through_combine,
+            "torch-backend-key-masked-through-combine": torch_backend_key_masked_through_combine,
         }
     )
     return cases

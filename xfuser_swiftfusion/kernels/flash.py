@@ -1,7 +1,9 @@
 """flash-attn backend (CUDA): per call, the KV chunks are concatenated once into flash-attn's
-layout [B, sum Lk_j, H, D], and each Q chunk makes ONE ``flash_attn_func`` call against it;
-its (out, lse) is merged into the chunk's state. ``flash_attn`` is imported lazily, so this
-module imports without it.
+layout [B, sum Lk_j, H, D], the non-empty Q chunks into [B, sum Lq_i, H, D], and ONE
+``flash_attn_func`` call computes all of it (flash-attn splits the keys itself where its grid
+would leave SMs idle); one launch of the fused combine (``combine.py``) merges each chunk's
+rows of its (out, lse) into the chunk's state and, when outputs are asked for, finalizes them.
+``flash_attn`` is imported lazily, so this module imports without it.
 
 flash-attn 2 runs fp16/bf16 with D <= 256 and a multiple of 8 on sm_80 or newer (the
 dispatcher checks this before choosing the backend). Grouped-query attention runs natively:
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .state import AttnState, merge_partial_, nonempty
+from .state import AttnState, nonempty
 
 MAX_HEAD_DIM = 256
 
@@ -50,27 +52,30 @@ def attend_flash(
     kv_chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
     states: Sequence[AttnState],
     scale: float,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Update ``states[i]`` with attention of ``q_chunks[i]`` [B, H, Lq_i, D] against every
-    (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing H): one flash-attn call per non-empty Q chunk
-    on the concatenated K/V; fp16/bf16 CUDA tensors."""
+    (K_j, V_j) [B, H_kv, Lk_j, D] (H_kv dividing H): one flash-attn call on the joined Q chunks
+    and the joined K/V, one combine launch; fp16/bf16 CUDA tensors. ``out[i]`` ([B, H, Lq_i, D],
+    unit stride along D): written with acc / l (rows without keys: 0) by the same launch."""
+    from .combine import combine
+
     kv_chunks, work = nonempty(q_chunks, kv_chunks, states)
-    if not kv_chunks or not work:
+    if not kv_chunks or not work:  # no keys or no rows: only the outputs, if asked for
+        if out is not None:
+            combine(states, None, None, out)
         return
+    outs = None if out is None else [o for q, o in zip(q_chunks, out) if q.numel() > 0]  # as work
     flash_attn_func = _flash_attn_func()
     k = _blhd([k for k, _ in kv_chunks])  # [B, sum Lk_j, H_kv, D]
     v = _blhd([v for _, v in kv_chunks])  # [B, sum Lk_j, H_kv, D]
-    for q, state in work:
-        out, lse, _ = flash_attn_func(
-            q.transpose(1, 2),  # [B, H, Lq, D] -> [B, Lq, H, D]
-            k,
-            v,
-            softmax_scale=scale,
-            return_attn_probs=True,
-        )
-        if lse.shape != state.m.shape:
-            raise RuntimeError(
-                f"flash_attn_func returned lse of shape {tuple(lse.shape)}, expected "
-                f"[B, H, Lq] = {tuple(state.m.shape)}; unsupported flash-attn version"
-            )
-        merge_partial_(state, out.transpose(1, 2), lse)  # out [B, Lq, H, D] -> [B, H, Lq, D]
+    q = _blhd([q for q, _ in work])  # [B, sum Lq_i, H, D]
+    o, lse, _ = flash_attn_func(q if q.stride(-1) == 1 else q.contiguous(), k, v, softmax_scale=scale,
+                                return_attn_probs=True)
+    B, Lq, H, _ = q.shape
+    if tuple(lse.shape) != (B, H, Lq):
+        raise RuntimeError(f"flash_attn_func returned lse of shape {tuple(lse.shape)}, expected "
+                           f"[B, H, Lq] = {(B, H, Lq)}; unsupported flash-attn version")
+    # [B, sum Lq_i, H, D] -> chunk i's rows [B, H, Lq_i, D] (views)
+    lengths = [c.shape[2] for c, _ in work]
+    combine([s for _, s in work], o.transpose(1, 2).split(lengths, dim=2), lse.split(lengths, dim=2), outs)

@@ -10,8 +10,10 @@ poisoned with NaN before a finalizing launch, so an element the kernel does not 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -65,10 +67,11 @@ def _lengths(rng: random.Random, count: tuple[int, int], longest: int, empty: fl
 
 
 def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bool, seed: int,
-                  longest: int = 300, batch: int = 2, heads: int = 4) -> dict:
+                  longest: int = 300, batch: int = 2, heads: int = 4, n_split: int | None = None) -> dict:
     """One random chunking in two launches that carry the running state: errors of the output
     and the LSE against ``reference`` (the output is acc / l of the state when not
-    finalizing). Grouped-query K/V (half the heads) on odd seeds."""
+    finalizing). Grouped-query K/V (half the heads) on odd seeds. ``n_split``: the triton
+    kernel called directly, split along K/V into that many ranges (its combine included)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     heads_kv = heads // 2 if seed % 2 else heads
@@ -80,12 +83,18 @@ def numerics_case(device: torch.device, D: int, dtype: torch.dtype, finalize: bo
     scale = D ** -0.5
     states = [new_state(q) for q in qs]
     split = rng.randint(0, len(kvs))  # first launch kvs[:split] (maybe none), second the rest
-    attend(qs, kvs[:split], states, scale=scale)
+    call = attend
+    if n_split is not None:
+        from ...kernels.triton_attend import attend_triton
+
+        def call(q, kv, st, scale, finalize=False, out=None):
+            attend_triton(q, kv, st, scale, out=out if finalize else None, n_split=n_split)
+    call(qs, kvs[:split], states, scale=scale)
     if finalize:
         outs = [torch.full(q.shape, float("nan"), dtype=dtype, device=device) for q in qs]
-        attend(qs, kvs[split:], states, scale=scale, finalize=True, out=outs)
+        call(qs, kvs[split:], states, scale=scale, finalize=True, out=outs)
     else:
-        attend(qs, kvs[split:], states, scale=scale)
+        call(qs, kvs[split:], states, scale=scale)
         outs = [s.acc / s.l[..., None] for s in states]
     ref_out, ref_lse = reference(qs, kvs, scale)
     lses = [s.m + torch.log(s.l) for s in states]
@@ -142,9 +151,9 @@ def _passes(result: dict, tol: float) -> bool:
 
 
 def _numerics_row(w: RowWriter, case: str, device: torch.device, D: int, dtype: torch.dtype,
-                  finalize: bool, seeds: range, longest: int) -> None:
+                  finalize: bool, seeds: range, longest: int, n_split: int | None = None) -> None:
     try:
-        results = [numerics_case(device, D, dtype, finalize, s, longest) for s in seeds]
+        results = [numerics_case(device, D, dtype, finalize, s, longest, n_split=n_split) for s in seeds]
     except Exception as exc:  # noqa: BLE001  (a backend's error is this row's failure)
         w.add(case, "FAIL", f"{type(exc).__name__}: {exc}"[:400])
         return
@@ -160,9 +169,9 @@ CUDNN_SHAPES = ((64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16)
 
 
 def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
-    """Triton at D 32/64/128, bf16 and fp16, finalize on and off; cuDNN's attention (its LSE
-    layout and units) at D 64/128; then what auto picks for the head dims and dtypes the kernel
-    does not take. On CPU (``TRITON_INTERPRET=1``): a small subset, to exercise the suite
+    """Triton at D 32/64/128, bf16 and fp16, finalize on and off, also split along K/V (3
+    ranges and the combine); cuDNN's attention (its LSE layout and units, the combine) at D
+    64/128; then what auto picks for the head dims and dtypes the kernel does not take. On CPU (``TRITON_INTERPRET=1``): a small subset, to exercise the suite
     itself, or SKIP rows where the interpreter does not work with this numpy."""
     cpu = device.type != "cuda"
     seeds = range(2 if cpu else (4 if quick else 8))
@@ -174,6 +183,10 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         with _triton():
             for D, dtype, fin in _triton_configs(device):
                 _numerics_row(w, f"triton {_case_name(D, dtype, fin)}", device, D, dtype, fin, seeds, longest)
+            if not cpu:  # every config split along K/V (3 ranges), its combine finalizing or not
+                for D, dtype, fin in _triton_configs(device):
+                    _numerics_row(w, f"triton split-K/V {_case_name(D, dtype, fin)}", device, D, dtype, fin,
+                                  seeds, longest, n_split=3)
     if cpu:
         return
     why = cannot_run("cudnn", device, 128, torch.bfloat16)
@@ -189,8 +202,9 @@ def numerics(w: RowWriter, device: torch.device, quick: bool = False) -> None:
 
 
 def launches(w: RowWriter, device: torch.device) -> None:
-    """One small launch of every triton configuration (D, dtype, finalize, grouped K/V), each
-    checked against fp64: the program compute-sanitizer runs."""
+    """One small launch of every triton configuration (D, dtype, finalize, grouped K/V, split
+    along K/V with its combine) and, where cuDNN runs, cuDNN's op with the combine kernel,
+    each checked against fp64: the program compute-sanitizer runs."""
     longest = 160 if device.type == "cuda" else 24
     why = cannot_run("triton", device, 64, torch.bfloat16)
     if why is not None:
@@ -198,10 +212,17 @@ def launches(w: RowWriter, device: torch.device) -> None:
         return
     with _triton():
         for D, dtype, fin in _triton_configs(device):
-            for seed in (0, 1):  # seed 1: grouped K/V
-                r = numerics_case(device, D, dtype, fin, seed, longest, batch=1, heads=2)
-                w.check(f"launch {_case_name(D, dtype, fin)}{' gqa' if r['heads_kv'] == 1 else ''}",
-                        _passes(r, TOLERANCE[dtype]), f"err {r['err']:.1e}", **r)
+            for seed, n_split in ((0, None), (1, None), (2, 3)):  # seed 1: grouped K/V; 3 K/V ranges
+                r = numerics_case(device, D, dtype, fin, seed, longest, batch=1, heads=2, n_split=n_split)
+                name = _case_name(D, dtype, fin) + (" gqa" if r["heads_kv"] == 1 else "")
+                w.check(f"launch {name}{' split 3' if n_split else ''}", _passes(r, TOLERANCE[dtype]),
+                        f"err {r['err']:.1e}", **r)
+    if device.type == "cuda" and cannot_run("cudnn", device, 64, torch.bfloat16) is None:
+        with backend("cudnn"):  # cuDNN's op and the combine kernel
+            for D in (64, 128):
+                r = numerics_case(device, D, torch.bfloat16, True, 3, longest, batch=1, heads=2)
+                w.check(f"launch cudnn + combine D{D} bf16", _passes(r, TOLERANCE[torch.bfloat16]),
+                        f"err {r['err']:.1e}", **r)
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -239,13 +260,18 @@ def models(device: torch.device) -> tuple[ModelShape, ...]:
 
 @dataclass(frozen=True)
 class Launch:
-    """One fused launch: Q chunks and K/V chunks of ``heads`` heads, [1, heads, L, D] each."""
+    """One fused launch: Q chunks and K/V chunks of ``heads`` heads, [1, heads, L, D] each;
+    ``count``: launches of this shape in one layer; ``mode``: "torus" (one launch per ring
+    step, as the strategies launch today) or "fused" (one launch per Torus stage and query
+    entries over every K/V chunk present)."""
 
     name: str
     heads: int
     head_dim: int
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
+    count: int = 1
+    mode: str = "torus"
 
     @property
     def flops(self) -> float:
@@ -253,23 +279,60 @@ class Launch:
         return 4.0 * self.heads * sum(self.q_lens) * sum(self.kv_lens) * self.head_dim
 
 
-def torus_launches(model: ModelShape, nodes: int = 4, gpus_per_node: int = 8) -> list[Launch]:
-    """The distinct launches one GPU makes in a layer of ``swiftfusion`` on ``nodes`` x
-    ``gpus_per_node``: every ``attend`` step of ``torus_schedule`` over a machine's K/V block
-    is a ring attention of R launches, each of ``n * U`` Q chunks (the step's ``n`` query
-    entries, U chunks ``[B, h, S, D]`` each) against the U K/V chunks of one ring step; ``h``
-    = H' / (T * U) with H' the (padded) head count the strategy runs, S = ceil(L / W) over all
-    ``tokens`` (text in the sequence)."""
+def schedule_launches(model: ModelShape, nodes: int = 4, gpus_per_node: int = 8, fused: bool = False) -> list[Launch]:
+    """The distinct launches one GPU (machine 0) makes in a layer of ``swiftfusion`` on ``nodes``
+    x ``gpus_per_node``, with their counts, walked from ``torus_schedule``. A query entry is U
+    chunks ``[1, h, S, D]`` (a machine's; ``h`` = H' / (T * U) with H' the padded head count
+    the strategy runs, S = ceil(image tokens / W)) or the text rows ``[1, h, Tj, D]``. Each
+    ``attend`` step of query entries over a machine's K/V block is, ``fused=False``, a ring
+    attention of R launches of its query chunks against U K/V chunks (and over the text K/V
+    one launch); ``fused=True``, ONE launch against the block's U * R chunks, the text K/V
+    the same stage gives the same queries included."""
+    from collections import Counter
+
     from ...mesh import torus_mesh
     from ...strategies.torus import TEXT, torus_schedule
     from ...topology import Topology
     topo = Topology(nodes, gpus_per_node)
     mesh, heads = torus_mesh(topo, model.heads)
-    T, U = mesh.torus, mesh.ulysses_intra
-    h, S = heads // (T * U), -(-model.tokens // topo.world_size)
-    entries = sorted({len(s.q) for s in torus_schedule(T, 0, False) if s.kind == "attend" and s.kv != TEXT})
-    return [Launch(f"{model.name} {topo}: {n * U}Q x {U}KV of {S}, h{h}", h, model.head_dim,
-                   (S,) * (n * U), (S,) * U) for n in entries]
+    T, U, R = mesh.torus, mesh.ulysses_intra, mesh.ring
+    h, S, Tj = heads // (T * U), -(-(model.tokens - model.joint) // topo.world_size), model.joint
+
+    def chunks(entries, per_machine: int) -> tuple[int, ...]:
+        return tuple(n for e in entries for n in ((Tj,) if e == TEXT else (S,) * per_machine))
+
+    groups: list[tuple[tuple, list]] = []  # (query entries, K/V entries) of each stage
+    for step in torus_schedule(T, 0, bool(Tj)):
+        if step.kind != "attend":
+            continue
+        key = (step.what, step.q)
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(step.kv)
+        else:
+            groups.append((key, [step.kv]))
+    counts: Counter = Counter()
+    for (_, q), kvs in groups:
+        q_lens = chunks(q, U)
+        if fused:
+            counts[(q_lens, chunks(kvs, U * R))] += 1
+        for kv in () if fused else kvs:
+            counts[(q_lens, chunks((kv,), U))] += 1 if kv == TEXT else R
+
+    def name(q_lens, kv_lens) -> str:
+        text = f" (+text {Tj})" if Tj and (Tj in q_lens or Tj in kv_lens) and Tj != S else ""
+        kind = "fused " if fused else ""
+        return f"{model.name} {topo}: {kind}{len(q_lens)}Q x {len(kv_lens)}KV of {S}{text}, h{h}"
+
+    return [Launch(name(q, kv), h, model.head_dim, q, kv, n, "fused" if fused else "torus")
+            for (q, kv), n in counts.items()]
+
+
+def torus_launches(model: ModelShape, nodes: int = 4, gpus_per_node: int = 8) -> list[Launch]:
+    """The distinct ring-step launches over machines' K/V blocks (no text K/V) one GPU makes in
+    a layer of ``swiftfusion`` (``schedule_launches``, not fused): each of ``n * U`` Q chunks
+    against U K/V chunks."""
+    return [x for x in schedule_launches(model, nodes, gpus_per_node) if model.joint not in x.kv_lens
+            or not model.joint]
 
 
 def _inputs(launch: Launch, dtype: torch.dtype, device: torch.device):
@@ -313,45 +376,106 @@ def runnable(w: RowWriter | None, device: torch.device, D: int, dtype: torch.dty
 
 
 def _op_calls(name: str, qs, kvs, scale: float):
-    """The attention ops backend ``name`` launches for one call, on inputs joined once (no
-    merge): one call per Q chunk against the concatenated K/V."""
+    """The attention op of backend ``name`` once on every Q chunk joined and every K/V chunk
+    joined, inputs joined beforehand (no merge): the single-kernel bound of a launch."""
     from ...kernels import torch_cuda
     from ...kernels.flash import _blhd
-    if name == "flash":  # as the flash backend: K/V joined in flash-attn's [B, L, H, D]
+    if name == "flash":  # as the flash backend: joined in flash-attn's [B, L, H, D]
         from flash_attn import flash_attn_func
-        kb, vb = _blhd([k for k, _ in kvs]), _blhd([v for _, v in kvs])
-        return lambda: [flash_attn_func(q.transpose(1, 2), kb, vb, softmax_scale=scale) for q in qs]
+        qb, kb, vb = _blhd(qs), _blhd([k for k, _ in kvs]), _blhd([v for _, v in kvs])
+        return lambda: flash_attn_func(qb, kb, vb, softmax_scale=scale)
+    q = torch.cat(qs, dim=2)  # [1, h, sum Lq, D]
     k = torch.cat([k for k, _ in kvs], dim=2)  # [1, h, sum Lk, D]
     v = torch.cat([v for _, v in kvs], dim=2)
     if name == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return lambda: [op(q, k, v, scale=scale) for q in qs]
-    op = torch_cuda.cudnn_op if name == "cudnn" else torch_cuda.cuda_op(qs[0])
-    return lambda: [op(q, k, v, scale) for q in qs]
+        return lambda: op(q, k, v, scale=scale)
+    op = torch_cuda.cudnn_op if name == "cudnn" else torch_cuda.cuda_op(q)
+    return lambda: op(q, k, v, scale)
 
 
-def _kernel_fn(name: str, qs, kvs, scale: float):
+def _kernel_fn(name: str, qs, kvs, scale: float, **how):
+    """Backend ``name``'s whole call on the launch, merge included, prepared once where the
+    backend can be (triton: ``prepare_triton``; cudnn, torch: ``prepare_torch``, its joins,
+    op and combine; flash-attn, cpu: the call itself). ``how``: triton's ``cfg`` and
+    ``n_split``, cudnn's ``kv_splits``."""
+    states = [new_state(q) for q in qs]
     if name == "triton":
         from ...kernels.triton_attend import prepare_triton
-        return prepare_triton(qs, kvs, [new_state(q) for q in qs], scale)
-    return _op_calls(name, qs, kvs, scale)
+        return prepare_triton(qs, kvs, states, scale, **how)
+    if name in ("cudnn", "torch"):
+        from ...kernels.torch_cuda import cudnn_op, prepare_torch
+        return prepare_torch(qs, kvs, states, scale, op=cudnn_op if name == "cudnn" else None, **how)
+    if name == "flash":
+        from ...kernels.flash import attend_flash
+        return lambda: attend_flash(qs, kvs, states, scale)
+    from ...kernels.cpu import attend_cpu
+    return lambda: attend_cpu(qs, kvs, states, scale)
 
 
 def _single_call(name: str, qs, kvs, scale: float):
     """One op call on every Q chunk and every K/V chunk concatenated (no merge): the bound a
     single kernel sets for the launch."""
-    return _op_calls(name, [torch.cat(qs, dim=2)], kvs, scale)
+    return _op_calls(name, qs, kvs, scale)
+
+
+def _single_with_combine(qs, kvs, scale: float):
+    """One cuDNN call on the launch's Q and K/V joined beforehand, unsplit, and the fused
+    combine of its (out, lse) into one running state: the single call with its merge."""
+    q = torch.cat(qs, dim=2)  # [1, h, sum Lq, D]
+    kv = (torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2))
+    return _kernel_fn("cudnn", [q], [kv], scale, kv_splits=1)
+
+
+# Candidate configurations the speed stage times on sm_90 besides the table's (DESIGN:
+# measured, not assumed): AOT resource use of each in docs/gpu-suite.md.
+SM90_CANDIDATES = {
+    128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3), (64, 128, 4, 2)),
+    64: ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)),
+    32: ((128, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2)),
+}
+
+
+def triton_variants(launch: Launch, device: torch.device, quick: bool) -> list[tuple[str, dict]]:
+    """(label, ``prepare_triton`` arguments) of the triton launches the speed stage times
+    besides the default choice: each candidate configuration (``SM90_CANDIDATES`` on sm_90,
+    the table's entries elsewhere) unsplit and, where the default splits or the grid is short
+    of a wave, split as the default is; the default configuration also split twice as much."""
+    from ...kernels.triton_attend import (SAFE_CONFIG, TABLES, KernelConfig, _device_info, launch_choice,
+                                          q_tiles, table_for)
+    sm, sms = _device_info(device.index)
+    default = launch_choice(device, launch.head_dim, launch.q_lens, launch.kv_lens, launch.heads)
+    if table_for(sm) == 90:
+        configs = [KernelConfig(*c) for c in SM90_CANDIDATES[launch.head_dim]]
+    else:
+        configs = [*TABLES[(launch.head_dim, table_for(sm))], SAFE_CONFIG]
+    if quick:
+        configs = configs[:3]
+    out = []
+    for cfg in configs:
+        short = q_tiles(launch.q_lens, cfg.block_m) * launch.heads < sms
+        splits = {1, default[1]} if short or default[1] > 1 else {1}
+        if cfg == default[0] and default[1] > 1:
+            splits.add(2 * default[1])
+        for n_split in sorted(splits):
+            if (cfg, n_split) != default:
+                out.append((f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split {n_split}",
+                            {"cfg": cfg, "n_split": n_split}))
+    return out
 
 
 def measure_launch(launch: Launch, names: list[str], dtype: torch.dtype, device: torch.device,
-                   quick: bool) -> dict:
-    """Per backend: ``attend`` per call (``call_ms``: host work included), its kernels alone on
-    prepared inputs (``kernel_ms``) and, for the SDPA backends, one call on everything
-    concatenated; milliseconds."""
+                   quick: bool, variants: bool = False) -> dict:
+    """Per backend: ``attend`` per call (``call_ms``: host work included) and its whole call
+    on prepared inputs, merge included (``kernel_ms``); one op call on everything joined
+    (``single``, the SDPA backends) and, where cuDNN runs, that call with the fused combine
+    (``single_combine``); with ``variants``, triton's candidate configurations and splits and
+    cuDNN unsplit (``variants``); milliseconds."""
     qs, kvs = _inputs(launch, dtype, device)
     states = [new_state(q) for q in qs]
     scale = launch.head_dim ** -0.5
-    got: dict[str, dict] = {"attend": {}, "kernel": {}, "kernel_how": {}, "single": {}, "errors": {}}
+    got: dict[str, dict] = {"attend": {}, "kernel": {}, "kernel_how": {}, "single": {}, "single_combine": {},
+                            "variants": {}, "errors": {}}
     for name in names:
         try:
             with backend(name):
@@ -366,6 +490,19 @@ def measure_launch(launch: Launch, names: list[str], dtype: torch.dtype, device:
         got["kernel"][name], got["kernel_how"][name] = kernel
         if single is not None:
             got["single"][name] = single
+    extra = []
+    if "cudnn" in names:
+        extra.append(("cudnn single + combine", lambda: _single_with_combine(qs, kvs, scale), "single_combine"))
+        if variants:
+            extra.append(("cudnn unsplit", lambda: _kernel_fn("cudnn", qs, kvs, scale, kv_splits=1), "variants"))
+    if variants and "triton" in names and device.type == "cuda":
+        extra += [(f"triton {label}", functools.partial(_kernel_fn, "triton", qs, kvs, scale, **how), "variants")
+                  for label, how in triton_variants(launch, device, quick)]
+    for label, make, key in extra:
+        try:
+            got[key][label if key == "variants" else "cudnn"] = kernel_ms(make(), device, quick)[0]
+        except Exception as exc:  # noqa: BLE001  (a candidate a GPU refuses costs its figure only)
+            got["errors"][label] = f"{type(exc).__name__}: {exc}"[:300]
     return got
 
 
@@ -373,41 +510,71 @@ def _us(ms: float) -> str:
     return f"{ms * 1e3:.0f} us"
 
 
+MEETS = 0.9  # of the single cuDNN call's TFLOP/s: the target every launch is held to
+SPEED_BUDGET_S = {False: 120.0, True: 70.0}  # of the stage's 180 s: variants stop past it
+
+
+def _launches(model: ModelShape) -> list[Launch]:
+    """The fused launches (the layer's launches to come), then the per-ring-step ones."""
+    return [*schedule_launches(model, fused=True), *schedule_launches(model)]
+
+
 def speed(w: RowWriter, device: torch.device, quick: bool = False) -> None:
-    """Every backend that runs here on each Torus launch (bf16): ``attend`` per call, the
-    kernels alone (prebuilt triton launch; the SDPA ops on prepared inputs) with TFLOP/s, and
-    one SDPA call on everything concatenated (the single-kernel bound). On CPU: the stand-in
-    launches and backends, to exercise the stage. The rows' ``attend_ms`` make the measured
-    kernel table (``kernel-table.json``)."""
+    """Every backend that runs here on each launch of a layer, fused and per ring step (bf16):
+    ``attend`` per call, the backend's whole call merge included (prepared, replayed in a CUDA
+    graph) with TFLOP/s against one cuDNN call over the same tokens (contiguous Q, joined K/V;
+    the torch op's where cuDNN does not run) and that call with the fused combine; whether each
+    reaches ``MEETS`` of the single call's TFLOP/s; on the fused launches, triton's candidate
+    configurations and splits and cuDNN unsplit while ``SPEED_BUDGET_S`` lasts (fewer
+    candidates with ``quick``). On CPU: the stand-in launches and backends, to
+    exercise the stage. The rows' ``attend_ms`` make the measured kernel table
+    (``kernel-table.json``)."""
     dtype = torch.bfloat16
     arch = "cpu"
     if device.type == "cuda":
         arch = arch_key(torch.cuda.get_device_capability(device))
+    start = time.monotonic()
     seen: dict[int, list[str]] = {}
+    label = lambda n: LABELS.get(n, n)  # noqa: E731
     for model in models(device):
         if model.head_dim not in seen:
             seen[model.head_dim] = runnable(w, device, model.head_dim, dtype)
         names = seen[model.head_dim]
-        for launch in torus_launches(model):
-            got = measure_launch(launch, names, dtype, device, quick)
+        for launch in _launches(model):
+            in_budget = time.monotonic() - start < SPEED_BUDGET_S[quick]
+            variants = device.type == "cuda" and in_budget and launch.mode == "fused"
+            got = measure_launch(launch, names, dtype, device, quick, variants)
             for name, error in got["errors"].items():
-                w.add(f"{launch.name}: {LABELS.get(name, name)}", "FAIL", error)
+                w.add(f"{launch.name}: {label(name)}", "FAIL", error)
             if not got["attend"]:
                 continue
             tf = {n: launch.flops / (ms * 1e-3) / 1e12 for n, ms in got["kernel"].items()}
+            ref_name = next((n for n in ("cudnn", "torch", "cpu") if n in got["single"]), None)
+            ref_tf = launch.flops / (got["single"][ref_name] * 1e-3) / 1e12 if ref_name else None
+            share = {n: t / ref_tf for n, t in tf.items()} if ref_tf else {}
+            meets = {n: x >= MEETS for n, x in share.items()}
             best = min(got["attend"], key=got["attend"].get)
-            label = lambda n: LABELS.get(n, n)  # noqa: E731
-            figure = ("attend " + ", ".join(f"{label(n)} {_us(ms)}" for n, ms in got["attend"].items())
-                      + "; kernels " + ", ".join(f"{label(n)} {_us(ms)} ({tf[n]:.0f} TFLOP/s)"
-                                                 for n, ms in got["kernel"].items())
-                      + ("; one call " + ", ".join(f"{label(n)} {_us(ms)}" for n, ms in got["single"].items())
-                         if got["single"] else "")
-                      + f"; fastest attend: {label(best)}")
-            cfg = None
+            best_variant = min(got["variants"], key=got["variants"].get) if got["variants"] else None
+            figure = (f"x{launch.count} per layer; kernels, merge included: "
+                      + ", ".join(f"{label(n)} {_us(ms)} ({tf[n]:.0f} TFLOP/s"
+                                  + (f", {share[n]:.0%}{'' if meets[n] else ' < 90 %'}" if n in share else "") + ")"
+                                  for n, ms in got["kernel"].items())
+                      + (f"; one {label(ref_name)} call {_us(got['single'][ref_name])} ({ref_tf:.0f} TFLOP/s)"
+                         if ref_name else "")
+                      + (f", with the fused combine {_us(got['single_combine']['cudnn'])}"
+                         if "cudnn" in got["single_combine"] else "")
+                      + "; attend " + ", ".join(f"{label(n)} {_us(ms)}" for n, ms in got["attend"].items())
+                      + (f"; best variant {best_variant} {_us(got['variants'][best_variant])}" if best_variant else "")
+                      + ("; variants not timed (stage budget)" if device.type == "cuda" and launch.mode == "fused"
+                         and not variants else ""))
+            choice = None
             if device.type == "cuda" and "triton" in names:
-                from ...kernels.triton_attend import _launch_config
-                cfg = str(_launch_config(device, launch.head_dim, launch.q_lens, launch.heads))
+                from ...kernels.triton_attend import launch_choice
+                cfg, n_split = launch_choice(device, launch.head_dim, launch.q_lens, launch.kv_lens, launch.heads)
+                choice = f"{cfg} split {n_split}"
             w.add(launch.name, "INFO", figure, attend_ms=got["attend"], kernel_ms=got["kernel"],
-                  kernel_how=got["kernel_how"], single_ms=got["single"], tflops=tf, fastest=best,
-                  arch=arch, shape=shape_key(launch.head_dim, dtype), config=cfg,
-                  flops=launch.flops, launch=launch.__dict__, stand_in=device.type != "cuda")
+                  kernel_how=got["kernel_how"], single_ms=got["single"], single_combine_ms=got["single_combine"],
+                  tflops=tf, reference=ref_name, reference_tflops=ref_tf, share_of_reference=share,
+                  meets_90=meets, variants_ms=got["variants"], best_variant=best_variant, fastest=best,
+                  arch=arch, shape=shape_key(launch.head_dim, dtype), config=choice, flops=launch.flops,
+                  count=launch.count, mode=launch.mode, launch=launch.__dict__, stand_in=device.type != "cuda")
