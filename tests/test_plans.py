@@ -385,3 +385,28 @@ def test_fused_launch_operations_follow_the_formulas_and_the_programs(topology, 
             inter = sent_bytes(ops, {p for p in range(t.world_size) if node(p) != node(rank)})
             assert inter == stats["inter_node_bytes"] and sent_bytes(ops) == (
                 stats["inter_node_bytes"] + stats["intra_node_bytes"]), (topology, s, rank)
+
+
+# --- attend on CUDA's SDPA backends: prepared once for a plan -------------------------------
+
+def test_sdpa_backends_are_prepared_with_the_chunks_that_have_rows(monkeypatch):
+    """cudnn / torch calls on CUDA tensors without a key mask are ``prepare_torch``'s (joined
+    buffers, op, split and combine table built once); empty query or K/V chunks are left out
+    (the op takes none), a call without keys is the combine's finalization alone."""
+    from xfuser_swiftfusion.kernels import combine, dispatch, new_states, torch_cuda
+    seen = []
+    monkeypatch.setattr(torch_cuda, "prepare_torch", lambda qs, kvs, sts, scale, op=None, out=None:
+                        seen.append(("op", [q.shape[2] for q in qs], [k.shape[2] for k, _ in kvs],
+                                     op is torch_cuda.cudnn_op, None if out is None else len(out)))
+                        or (lambda: seen.append("launch")))
+    monkeypatch.setattr(combine, "prepare_combine", lambda sts, p, l, out=None:
+                        seen.append(("finalize", len(sts), len(out))) or (lambda: None))
+    q = [torch.zeros(1, 2, n, 8) for n in (3, 0, 5)]
+    kv = [(torch.zeros(1, 2, n, 8),) * 2 for n in (4, 0)]
+    states = new_states(q)
+    outs = [torch.empty_like(x) for x in q]
+    dispatch._prepare_sdpa("cudnn", q, kv, states, 0.5, outs)()
+    dispatch._prepare_sdpa("torch", q, kv, states, 0.5, None)()
+    dispatch._prepare_sdpa("cudnn", q, [kv[1]], states, 0.5, outs)()
+    assert seen == [("op", [3, 5], [4], True, 2), "launch", ("op", [3, 5], [4], False, None),
+                    "launch", ("finalize", 2, 2)]

@@ -371,25 +371,27 @@ def _counted(fn: Callable[[], None]) -> Callable[[], None]:
 def _prepare(backend: str, q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Tensor, torch.Tensor]],
              states: list[AttnState], scale: float, out: list[torch.Tensor] | None,
              key_masks: list[torch.Tensor | None] | None) -> Callable[[], None]:
-    """The work of one ``attend`` call on ``backend``, ready to run (counted by ``attend_calls``)."""
+    """The work of one ``attend`` call on ``backend``, ready to run (counted by ``attend_calls``):
+    triton's launch prepared (``prepare_triton``); cudnn's and torch's op call and fused
+    combine prepared on CUDA tensors without key masks (``prepare_torch``); flash-attn's and
+    key-masked calls as one op call and one combine per run; the CPU op with torch's merges."""
     if backend == "triton":
         return _counted(_prepare_triton(q_chunks, kv_chunks, states, scale, out))
+    masked = {} if key_masks is None else {"key_masks": key_masks}
+    if backend in ("cudnn", "torch") and key_masks is None and q_chunks[0].is_cuda:
+        return _counted(_prepare_sdpa(backend, q_chunks, kv_chunks, states, scale, out))
     if backend == "flash":
-        run = functools.partial(flash_backend.attend_flash, q_chunks, kv_chunks, states, scale)
-    elif backend == "cudnn":
+        return _counted(functools.partial(flash_backend.attend_flash, q_chunks, kv_chunks, states,
+                                          scale, out=out))
+    if backend in ("cudnn", "torch"):
         from .torch_cuda import attend_torch, cudnn_op
 
-        run = functools.partial(attend_torch, q_chunks, kv_chunks, states, scale, op=cudnn_op)
-    elif backend == "torch":
-        from .torch_cuda import attend_torch
+        op = {"op": cudnn_op} if backend == "cudnn" else {}
+        return _counted(functools.partial(attend_torch, q_chunks, kv_chunks, states, scale, out=out,
+                                          **op, **masked))
+    from .cpu import attend_cpu
 
-        masked = {} if key_masks is None else {"key_masks": key_masks}
-        run = functools.partial(attend_torch, q_chunks, kv_chunks, states, scale, **masked)
-    else:
-        from .cpu import attend_cpu
-
-        masked = {} if key_masks is None else {"key_masks": key_masks}
-        run = functools.partial(attend_cpu, q_chunks, kv_chunks, states, scale, **masked)
+    run = functools.partial(attend_cpu, q_chunks, kv_chunks, states, scale, **masked)
     if out is None:
         return _counted(run)
     pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
@@ -402,15 +404,32 @@ def _prepare(backend: str, q_chunks: list[torch.Tensor], kv_chunks: list[tuple[t
     return _counted(run_and_finalize)
 
 
+def _prepare_sdpa(backend: str, q_chunks: list[torch.Tensor],
+                  kv_chunks: list[tuple[torch.Tensor, torch.Tensor]], states: list[AttnState],
+                  scale: float, out: list[torch.Tensor] | None) -> Callable[[], None]:
+    """``torch_cuda.prepare_torch`` on the chunks with rows (cudnn: cuDNN's op; torch: the op
+    ``cuda_op`` picks); without keys, the finalization alone (one combine launch)."""
+    from .combine import prepare_combine
+    from .torch_cuda import cudnn_op, prepare_torch
+
+    rows = [i for i, q in enumerate(q_chunks) if q.shape[2] > 0]
+    kvs = [(k, v) for k, v in kv_chunks if k.shape[2] > 0]
+    outs = None if out is None else [out[i] for i in rows]
+    if not rows:
+        return _no_op
+    if not kvs:
+        return _no_op if out is None else prepare_combine([states[i] for i in rows], None, None, outs)
+    return prepare_torch([q_chunks[i] for i in rows], kvs, [states[i] for i in rows], scale,
+                         op=cudnn_op if backend == "cudnn" else None, out=outs)
+
+
 def _prepare_triton(q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Tensor, torch.Tensor]],
                     states: list[AttnState], scale: float,
                     out: list[torch.Tensor] | None) -> Callable[[], None]:
-    """``triton_attend.prepare_triton``'s launch; where there is nothing to launch (no query
-    rows, or no keys) the finalization from the states alone. A configuration the GPU refuses
-    at the first launch (``OutOfResources``, raised before anything runs) is replaced by
-    ``SAFE_CONFIG`` for this launch and later ones of the device."""
-    from triton.runtime.errors import OutOfResources
-
+    """``triton_attend.prepare_triton``'s launch (split along K/V and merged by the combine
+    where the launch alone would leave SMs idle; a configuration the GPU refuses replaced by
+    the safe one); where there is nothing to launch (no query rows, or no keys) the
+    finalization from the states alone."""
     from . import triton_attend as ta
 
     if not any(q.shape[2] for q in q_chunks):
@@ -420,21 +439,7 @@ def _prepare_triton(q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Te
             return _no_op
         pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
         return lambda: [finalize_state(s, dtype, o) for s, dtype, o in pairs] and None
-    device = q_chunks[0].device
-    launch = [ta.prepare_triton(q_chunks, kv_chunks, states, scale, out)]
-
-    def run() -> None:
-        try:
-            launch[0]()
-        except OutOfResources:
-            if device.type != "cuda" or launch[-1] is None:
-                raise
-            B, H, _, D = q_chunks[0].shape
-            ta._rejected.add((device.index, ta._launch_config(device, D, [q.shape[2] for q in q_chunks], B * H)))
-            launch[:] = [ta.prepare_triton(q_chunks, kv_chunks, states, scale, out, ta.SAFE_CONFIG), None]
-            launch[0]()
-
-    return run
+    return ta.prepare_triton(q_chunks, kv_chunks, states, scale, out)
 
 
 def _no_op() -> None:

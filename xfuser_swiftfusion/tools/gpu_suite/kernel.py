@@ -286,12 +286,13 @@ def schedule_launches(model: ModelShape, nodes: int = 4, gpus_per_node: int = 8,
     the strategy runs, S = ceil(image tokens / W)) or the text rows ``[1, h, Tj, D]``. Each
     ``attend`` step of query entries over a machine's K/V block is, ``fused=False``, a ring
     attention of R launches of its query chunks against U K/V chunks (and over the text K/V
-    one launch); ``fused=True``, ONE launch against the block's U * R chunks, the text K/V
-    the same stage gives the same queries included."""
+    one launch); ``fused=True``, the launches of ``fused_schedule`` (``launches="stage"``):
+    one per stage and query entries, against every K/V chunk present (a block's U * R chunks,
+    the text K/V)."""
     from collections import Counter
 
     from ...mesh import torus_mesh
-    from ...strategies.torus import TEXT, torus_schedule
+    from ...strategies.torus import TEXT, fused_schedule, torus_schedule
     from ...topology import Topology
     topo = Topology(nodes, gpus_per_node)
     mesh, heads = torus_mesh(topo, model.heads)
@@ -301,22 +302,15 @@ def schedule_launches(model: ModelShape, nodes: int = 4, gpus_per_node: int = 8,
     def chunks(entries, per_machine: int) -> tuple[int, ...]:
         return tuple(n for e in entries for n in ((Tj,) if e == TEXT else (S,) * per_machine))
 
-    groups: list[tuple[tuple, list]] = []  # (query entries, K/V entries) of each stage
-    for step in torus_schedule(T, 0, bool(Tj)):
-        if step.kind != "attend":
-            continue
-        key = (step.what, step.q)
-        if groups and groups[-1][0] == key:
-            groups[-1][1].append(step.kv)
-        else:
-            groups.append((key, [step.kv]))
     counts: Counter = Counter()
-    for (_, q), kvs in groups:
-        q_lens = chunks(q, U)
-        if fused:
-            counts[(q_lens, chunks(kvs, U * R))] += 1
-        for kv in () if fused else kvs:
-            counts[(q_lens, chunks((kv,), U))] += 1 if kv == TEXT else R
+    if fused:  # the launches the strategy makes with launches="stage"
+        for step in fused_schedule(T, 0, bool(Tj)):
+            if step.kind == "launch" and step.kv:
+                counts[(chunks(step.q, U), chunks(step.kv, U * R))] += 1
+    else:
+        for step in torus_schedule(T, 0, bool(Tj)):
+            if step.kind == "attend":
+                counts[(chunks(step.q, U), chunks((step.kv,), U))] += 1 if step.kv == TEXT else R
 
     def name(q_lens, kv_lens) -> str:
         text = f" (+text {Tj})" if Tj and (Tj in q_lens or Tj in kv_lens) and Tj != S else ""
