@@ -591,6 +591,7 @@ class NvshmemCommunicator(OneSided):
             yield
         finally:
             self._capturing = False
+            self._waited.clear()  # events of a capture (one that failed mid-layer leaves some)
 
     def watch(self, event: Any, what: str) -> None:
         self._watchdog.watch(event.query, "a CUDA graph replay (its transfers and barriers)", what)

@@ -12,12 +12,16 @@ numerics              triton kernel vs fp64 over random chunkings (empty chunks,
                       lengths, state carried across two launches, grouped K/V, NaN-poisoned
                       outputs), D 32/64/128, bf16/fp16, finalize on/off; cuDNN's attention
                       (its LSE) at D 64/128; auto's kernel for other head dims and fp32
-speed                 every backend (triton, cudnn, torch flash, flash-attn) on each Torus
-                      launch of Flux 3072/4096 px and CogVideoX 5B on 4x8: ``attend`` per
-                      call, the kernels alone (graph-replayed), one SDPA call over all of it
+speed                 every backend (triton, cudnn, torch flash, flash-attn) on each launch
+                      of Flux 3072/4096 px and CogVideoX 5B on 4x8, per ring step and fused
+                      (``launches="stage"``): the whole call with its merge (prepared,
+                      graph-replayed) against one cuDNN call over the same tokens (and with
+                      the fused combine), triton's sm_90 candidates and K/V splits
 replay                rank 0's whole swiftfusion layer of those models on this GPU, remote
-                      transfers as device copies: GPU vs host time per layer per backend,
-                      CUDA-graph replay, xFuser's USP-equivalent single kernel
+                      transfers as device copies, beside xFuser's USP on the same rank: per
+                      backend, the layer as before execution plans and as plans (per ring
+                      step, fused, replayed as a CUDA graph): GPU and host time per layer,
+                      attention launches; xFuser's USP-equivalent single kernel
 pe-strategy           swiftfusion across 2 and 4 NVSHMEM PEs sharing this GPU (topologies 2x1,
                       4x1; plain, else under a private MPS daemon) vs single-device attention,
                       the model's inter-machine bytes, no fallback; a PE killed mid-layer
@@ -64,7 +68,7 @@ from .report import RowWriter, format_table, read_rows, summary
 # most telling per second first: under a tight --budget the probe and the slow tools go
 STAGES = ("env", "numerics", "speed", "replay", "pe-strategy", "nvshmem", "strategies", "compile",
           "sanitizer", "ncu", "pe-probe")
-TIMEOUT_S = {"env": 60, "numerics": 180, "speed": 180, "replay": 180, "pe-strategy": 150,
+TIMEOUT_S = {"env": 60, "numerics": 180, "speed": 180, "replay": 240, "pe-strategy": 150,
              "nvshmem": 90, "strategies": 240, "compile": 300, "sanitizer": 300, "ncu": 150,
              "pe-probe": 150}
 MIN_STAGE_S = 20  # a stage with less budget left than this is skipped
