@@ -109,15 +109,28 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release every resource (idempotent; also called on errors)."""
 
+    _capturing = False  # a CUDA graph capture is under way (``capturing``)
+    _watchdog = None    # the watchdog thread of a backend that bounds GPU work (watchdog.py)
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """A CUDA graph is being captured on the current stream: issue as usual, watch nothing
         (a captured event cannot be queried)."""
-        yield
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+            self._after_capture()
+
+    def _after_capture(self) -> None:
+        """Drop what a capture left behind (a backend's own state)."""
 
     def watch(self, event: Any, what: str) -> None:
         """Bound ``event`` (recorded after a CUDA graph replay holding this communicator's
         work) by ``timeout_s``, as the transfers it stands for (no-op without a watchdog)."""
+        if self._watchdog is not None:
+            self._watchdog.watch(event.query, "a CUDA graph replay (its transfers and barriers)", what)
 
     def __enter__(self) -> "Communicator":
         return self

@@ -69,7 +69,6 @@ nvshmem4py is imported lazily: this module imports without it and without a GPU.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import itertools
 import os
@@ -78,7 +77,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -584,17 +583,8 @@ class NvshmemCommunicator(OneSided):
 
         return barrier
 
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-            self._waited.clear()  # events of a capture (one that failed mid-layer leaves some)
-
-    def watch(self, event: Any, what: str) -> None:
-        self._watchdog.watch(event.query, "a CUDA graph replay (its transfers and barriers)", what)
+    def _after_capture(self) -> None:
+        self._waited.clear()  # events of a capture (one that failed mid-layer leaves some)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]]) -> None:
         """Collective: one NVSHMEM team per distinct group (``None`` on non-members)."""

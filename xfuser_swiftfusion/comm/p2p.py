@@ -244,17 +244,6 @@ class P2PCommunicator(TwoSided):
 
         return post
 
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-
-    def watch(self, event: Any, what: str) -> None:
-        if self._watchdog is not None:
-            self._watchdog.watch(event.query, "a CUDA graph replay (its exchanges)", what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, ranks: tuple[int, ...], *,
                    what: str, queue: str = "other") -> None:
