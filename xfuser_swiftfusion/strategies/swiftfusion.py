@@ -37,6 +37,9 @@ layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
   queries staged there (its own program order), and I read it after the end barrier;
 - ``K/V[t']`` is pulled into (and waited for) before ring peers read it; the Pull-KV ring
   sync orders that without draining the later stages' pulls still in flight;
+- with ``launches="stage"`` a block's ring gather (``ring_all``: gets of the peers' ``KVb[t]``
+  after barrier 1, of their ``K/V[t']`` after that stage's ring sync, into the local ``G``)
+  reads the same slots the ring's gets read, at the same points, so the same reasoning holds;
 - ``QOb`` is copied out before this rank enters the next layer's first barrier, which every
   peer must pass before it pushes into ``QOb`` again.
 """
