@@ -392,8 +392,12 @@ def _prepare(backend: str, q_chunks: list[torch.Tensor], kv_chunks: list[tuple[t
     from .cpu import attend_cpu
 
     run = functools.partial(attend_cpu, q_chunks, kv_chunks, states, scale, **masked)
-    if out is None:
-        return _counted(run)
+    return _counted(run if out is None else _then_finalize(run, q_chunks, states, out))
+
+
+def _then_finalize(run: Callable[[], None], q_chunks: list[torch.Tensor], states: list[AttnState],
+                   out: list[torch.Tensor]) -> Callable[[], None]:
+    """``run``, then each state's output acc / l into ``out`` (torch ops)."""
     pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
 
     def run_and_finalize() -> None:
@@ -401,7 +405,7 @@ def _prepare(backend: str, q_chunks: list[torch.Tensor], kv_chunks: list[tuple[t
         for s, dtype, o in pairs:
             finalize_state(s, dtype, o)
 
-    return _counted(run_and_finalize)
+    return run_and_finalize
 
 
 def _prepare_sdpa(backend: str, q_chunks: list[torch.Tensor],
@@ -435,10 +439,7 @@ def _prepare_triton(q_chunks: list[torch.Tensor], kv_chunks: list[tuple[torch.Te
     if not any(q.shape[2] for q in q_chunks):
         return _no_op
     if not any(k.shape[2] for k, _ in kv_chunks):
-        if out is None:
-            return _no_op
-        pairs = [(s, q.dtype, o) for q, s, o in zip(q_chunks, states, out)]
-        return lambda: [finalize_state(s, dtype, o) for s, dtype, o in pairs] and None
+        return _no_op if out is None else _then_finalize(_no_op, q_chunks, states, out)
     return ta.prepare_triton(q_chunks, kv_chunks, states, scale, out)
 
 

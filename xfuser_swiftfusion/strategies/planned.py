@@ -98,6 +98,8 @@ class PlanCache:
     def __init__(self, layer: Layer, size: int = DEFAULT_PLANS, *, comms: list | None = None,
                  graphs: bool | None = None, name: str = "layer") -> None:
         self.layer, self.size, self.comms, self.graphs, self.name = layer, size, comms or [], graphs, name
+        # the byte counters ctx.stats() reads (communicators may share one)
+        self._counter_objects = list({id(c.counter): c.counter for c in self.comms}.values())
         self._plans: OrderedDict[tuple, _Entry] = OrderedDict()
         self.compiled = 0
         self.captured = 0
@@ -136,16 +138,13 @@ class PlanCache:
             c.watch(event, f"{self.name}: CUDA graph replay")
         return entry.plan.output()
 
-    def _counter_objects(self) -> list:
-        return list({id(c.counter): c.counter for c in self.comms}.values())
-
     def _counters(self) -> list[int]:
         """Every counter ``ctx.stats()`` reads: the communicators' and ``attend_calls``."""
-        return [getattr(c, n) for c in self._counter_objects() for n in _COUNTS] + [dispatch.attend_calls()]
+        return [getattr(c, n) for c in self._counter_objects for n in _COUNTS] + [dispatch.attend_calls()]
 
     def _add_counts(self, counts: list[int]) -> None:
         it = iter(counts)
-        for c in self._counter_objects():
+        for c in self._counter_objects:
             for n in _COUNTS:
                 setattr(c, n, getattr(c, n) + next(it))
         dispatch.add_attend_calls(next(it))

@@ -57,7 +57,7 @@ from .layout import Slots, split_heads
 from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
 from .ring import PullRing, ring_ops, slots
-from .torus import TorusAttention, TorusOps, torus_ops
+from .torus import TorusAttention, TorusOps, ring_peers, torus_ops
 
 logger = get_logger(__name__)
 
@@ -205,9 +205,8 @@ class OneSidedTorusIO:
                     self.buf["G"] = torch.empty((self.mesh.torus, R - 1, *own.shape), dtype=own.dtype,
                                                 device=own.device)
                 handles = []
-                for i in range(1, R):
-                    r2 = (r + i) % R
-                    p, dst = self.ring_ranks[r2], self.buf["G"][a, i - 1]
+                for i, (r2, p) in enumerate(ring_peers(self.ring_ranks, r)):
+                    dst = self.buf["G"][a, i]
                     handles.append(self.comm.get(dst, own, p, queue="ring",
                                                  what=f"{what}, ring gather of block {a} from rank {p}"))
                     blocks[r2] = dst
@@ -281,10 +280,8 @@ class OneSidedTorusOps(TorusOps):
 
     def ring_all(self) -> None:
         """``OneSidedTorusIO.ring_all``'s gets: one packed K/V block from every ring peer."""
-        R = len(self.ring_ranks)
-        peers = [self.ring_ranks[(self.r + i) % R] for i in range(1, R)]
         self.prog.wait(*(self.prog.transfer("get", "ring", recvs=[(p, 2 * self.U * self.slot)])
-                         for p in peers))
+                         for _, p in ring_peers(self.ring_ranks, self.r)))
 
     def barrier_ring(self) -> None:
         if len(self.ring_ranks) > 1:

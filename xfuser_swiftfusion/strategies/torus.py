@@ -193,6 +193,19 @@ def fused_schedule(T: int, t: int, text: bool) -> list[Step | Launch]:
     return out
 
 
+def schedule_of(launches: str, T: int, t: int, text: bool) -> list[Step | Launch]:
+    """The steps machine ``t`` runs with ``launches``: ``fused_schedule`` (``"stage"``) or
+    ``torus_schedule`` (``"ring"``)."""
+    return (fused_schedule if launches == "stage" else torus_schedule)(T, t, text)
+
+
+def ring_peers(ranks: tuple[int, ...], r: int) -> list[tuple[int, int]]:
+    """``(ring rank, global rank)`` of every other rank of the ring group ``ranks`` (I am ring
+    rank ``r``), from the next one on: ring rank ``r + i`` at position ``i - 1``."""
+    R = len(ranks)
+    return [((r + i) % R, ranks[(r + i) % R]) for i in range(1, R)]
+
+
 class TorusIO(Protocol):
     """What the schedule needs from communication (all indices are torus ranks)."""
 
@@ -289,8 +302,7 @@ class TorusAttention:
                      for a in range(T)}
         chunks: dict[Entry, list[torch.Tensor]] = {}
         states: dict[Entry, list[AttnState]] = {}
-        schedule = (fused_schedule if launches == "stage" else torus_schedule)(T, self.t, joint is not None)
-        for s in schedule:
+        for s in schedule_of(launches, T, self.t, joint is not None):
             match s.kind:
                 case "issue":
                     EQ, EKV = io.issue_pulls()
@@ -345,11 +357,10 @@ class TorusAttention:
                     kv += block
                     kmasks += masks[e](r2) if e in masks else [None] * len(block)
         out = None
-        if s.finalize:
-            out = [c for e in s.q for c in (
-                [torch.empty(chunks[TEXT][0].shape, dtype=chunks[TEXT][0].dtype,
-                             device=chunks[TEXT][0].device)] if e == TEXT
-                else io.O.rows[e].unbind(0))]
+        if s.finalize:  # machine a's outputs into O.rows[a]; the text's into a new tensor
+            out = []
+            for e in s.q:
+                out += [torch.empty_like(chunks[TEXT][0])] if e == TEXT else io.O.rows[e].unbind(0)
         attend([c for e in s.q for c in chunks[e]], kv, [x for e in s.q for x in states[e]],
                scale=scale, finalize=s.finalize, out=out,
                key_masks=kmasks if any(m is not None for m in kmasks) else None)
@@ -476,9 +487,8 @@ class TwoSidedTorusIO:
                                                     device=k.device) for n in "KV"}
                 G = self.buf["G"]
                 sends, recvs = [], []
-                for i in range(1, R):
-                    r2 = (r + i) % R
-                    p, gk, gv = self.ring_ranks[r2], G["K"][a, i - 1], G["V"][a, i - 1]
+                for i, (r2, p) in enumerate(ring_peers(self.ring_ranks, r)):
+                    gk, gv = G["K"][a, i], G["V"][a, i]
                     sends += [(k, p), (v, p)]
                     recvs += [(gk, p), (gv, p)]
                     blocks[r2] = (gk, gv)
@@ -563,8 +573,7 @@ class TwoSidedTorusOps(TorusOps):
 
     def ring_all(self) -> None:
         """``TwoSidedTorusIO.ring_all``'s exchange: K and V of my block to every ring peer."""
-        R = len(self.ring_ranks)
-        peers = [self.ring_ranks[(self.r + i) % R] for i in range(1, R)]
+        peers = [p for _, p in ring_peers(self.ring_ranks, self.r)]
         n = self.U * self.slot
         self.prog.wait(self.prog.transfer("exchange", "ring", [(p, n) for p in peers for _ in "KV"],
                                           [(p, n) for p in peers for _ in "KV"]))
@@ -588,8 +597,7 @@ def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
     rows: dict[Entry, tuple[int, ...]] = {a: (S,) * U for a in range(T)} | {TEXT: (Tj,)}
     gathered: set[Entry] = set()
     io.stage_in()
-    schedule = (fused_schedule if launches == "stage" else torus_schedule)(T, io.t, Tj > 0)
-    for s in schedule:
+    for s in schedule_of(launches, T, io.t, Tj > 0):
         match s.kind:
             case "issue":
                 EQ, EKV = io.issue_pulls()
