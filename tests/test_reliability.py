@@ -474,3 +474,16 @@ def test_numerics_at_the_edges_match_single_device():
         if row["case"] == "inf_value":
             assert row["inf_as_fp64"], row
     assert any(r["any_nan"] for r in rows if r["case"] == "nan_query_row")
+
+
+def test_rendezvous_ports_are_outside_the_kernels_ephemeral_range():
+    """A port from bind(0) could be taken by an outgoing connection before rank 0 binds it
+    (a 1x2 run failed with EADDRINUSE): the launcher's ports come from below that range."""
+    import socket
+    from xfuser_swiftfusion.emulation.launcher import free_port
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

@@ -17,6 +17,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import random
 import signal
 import socket
 import time
@@ -43,10 +44,25 @@ class RankFailure:
     message: str
 
 
+# A rendezvous port below the kernel's ephemeral range (32768-60999 by default): a port the
+# kernel hands out (bind to 0) may be taken by an outgoing connection (gloo's, the proxy's)
+# between the probe and rank 0's bind (EADDRINUSE); ports below that range are never given out
+# by the kernel on its own.
+_PORTS = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, outside the ephemeral range (``_PORTS``)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {_PORTS[0]}-{_PORTS[1] - 1} on 127.0.0.1")
 
 
 def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
