@@ -27,15 +27,18 @@ and resolved once: byte runs, peers, streams, process groups) and then issued by
 result; ``put``, ``get``, ``exchange``, ``barrier_all``, ``barrier`` and ``sync`` are those two
 steps, recorded as a plan's step while a layer compiles. On CUDA, waits order streams and
 never block the host; a watchdog thread bounds them (``watchdog.py``). While a CUDA graph is
-captured (``capturing()``) nothing captured is watched; ``watch(event, what)`` watches one
-event recorded after a replay instead.
+captured (``capturing()``) nothing captured is watched (an event or NCCL work recorded in a
+capture cannot be queried) and each transfer and barrier issued is noted (peers, stage);
+``watch(event, what, doing)`` watches one event recorded after a replay instead, and
+``check()`` raises what a watchdog found (a replay runs no Python of the communicator that
+would). ``capture_refused``: why this communicator's work cannot be captured (None: it can).
 """
 from __future__ import annotations
 
 import abc
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -111,26 +114,74 @@ class Communicator(abc.ABC):
 
     _capturing = False  # a CUDA graph capture is under way (``capturing``)
     _watchdog = None    # the watchdog thread of a backend that bounds GPU work (watchdog.py)
+    _captured = None  # list: what was issued during the capture under way (``note_captured``)
+    _replay_watchdog = None  # a backend without a watchdog of its own: the one watching replays
+    _replay_failure = None  # what that one found
+    # (class attributes, not dataclass fields) why this communicator's work cannot be captured
+    # in a CUDA graph (None: it can); the int attributes a replay advances (``planned.py``)
+    capture_refused: ClassVar[str | None] = None
+    replay_counts: ClassVar[tuple[str, ...]] = ()
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
+    def capturing(self) -> Iterator[list]:
         """A CUDA graph is being captured on the current stream: issue as usual, watch nothing
-        (a captured event cannot be queried)."""
-        self._capturing = True
+        (a captured event cannot be queried). Yields the list of what is issued meanwhile:
+        ``(peers or None for all ranks, doing, stage)`` (``note_captured``)."""
+        issued: list = []
+        self._capturing, self._captured = True, issued
         try:
-            yield
+            yield issued
         finally:
-            self._capturing = False
+            self._capturing, self._captured = False, None
             self._after_capture()
+
+    def note_captured(self, peers: Sequence[int] | None, doing: str, what: str) -> None:
+        """Note a transfer or barrier issued while capturing (what its replays will do)."""
+        if self._captured is not None:
+            self._captured.append((None if peers is None else tuple(peers), doing, what))
 
     def _after_capture(self) -> None:
         """Drop what a capture left behind (a backend's own state)."""
 
-    def watch(self, event: Any, what: str) -> None:
+    def watch(self, event: Any, what: str,
+              doing: str = "a CUDA graph replay (its transfers and barriers)") -> None:
         """Bound ``event`` (recorded after a CUDA graph replay holding this communicator's
-        work) by ``timeout_s``, as the transfers it stands for (no-op without a watchdog)."""
-        if self._watchdog is not None:
-            self._watchdog.watch(event.query, "a CUDA graph replay (its transfers and barriers)", what)
+        work) by ``timeout_s``, as the transfers it stands for: ``doing`` names their peers
+        and stages, ``what`` the layer. A backend without a watchdog of its own (its waits
+        block the host) gets one for replays: a replay's waits are on the device."""
+        dog = self._watchdog if self._watchdog is not None else self._replays_watched()
+        dog.watch(event.query, doing, what)
+
+    def _replays_watched(self):
+        if self._replay_watchdog is None:
+            from ..log import get_logger
+            from .watchdog import Watchdog, abort_process
+
+            def fail(exc: BaseException) -> None:
+                self._replay_failure = exc
+            self._replay_watchdog = Watchdog(
+                f"swiftfusion-replay-watchdog-r{self.rank}", rank=self.rank,
+                timeout_s=self.timeout_s, device=None,
+                stuck="the replay's kernels wait on it and cannot be cancelled", fail=fail,
+                abort_after_s=lambda: self.timeout_s, abort=abort_process,
+                log=get_logger("xfuser_swiftfusion.comm"))
+        return self._replay_watchdog
+
+    def stop_watching(self) -> None:
+        """Stop the replays' watchdog, if any (close calls it)."""
+        if self._replay_watchdog is not None:
+            self._replay_watchdog.stop()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What a watchdog found (a replay, transfer or barrier past ``timeout_s``), or None."""
+        return self._replay_failure
+
+    def check(self) -> None:
+        """Raise what a watchdog found, if anything."""
+        failure = self.failure
+        if failure is not None:
+            raise type(failure)(str(failure))
 
     def __enter__(self) -> "Communicator":
         return self

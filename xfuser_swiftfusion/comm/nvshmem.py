@@ -43,8 +43,10 @@ predefined one: ``TEAM_MC_SHARED`` is 6, the first split's handle on one GPU).
 
 CUDA graphs: while a plan is captured (``capturing()``) transfers and barriers are issued as
 usual but nothing is watched (a captured event cannot be queried) and every pool stream a
-barrier quiets is also joined into the capturing stream directly; after a replay the plan has
-one event behind it watched (``watch``).
+barrier quiets is also joined into the capturing stream directly; each is noted (peers,
+stage), and after a replay the plan has one event behind it watched (``watch``), whose timeout
+names them. In NVSHMEM's limited multi-process mode (PEs sharing a GPU without MPS) nothing is
+captured (``capture_refused``, ``capture_refusal``).
 
 Timeouts: one watchdog thread per communicator (``watchdog.py``) queries the events of transfers and barriers;
 one not complete ``timeout_s`` after it was issued fails the communicator: the next call into it
@@ -236,6 +238,23 @@ def check_device_rows(rows: Sequence[tuple[str, str, int, str | None, bool]]) ->
                 "stream); set each rank's device from LOCAL_RANK (torch.cuda.set_device)")
         else:
             seen[key] = r
+
+
+LIMITED_MODE = ("NVSHMEM runs in its limited multi-process mode (init_status() = "
+                "STATUS_LIMITED_MPG: PEs share a GPU without MPS), where barrier_all_on_stream "
+                "is a host barrier plus a wait on another process's IPC event, which a CUDA "
+                "graph cannot capture (the capture error ends every PE); run the PEs under MPS "
+                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE summing to at most 100) or one PE per GPU")
+
+
+def capture_refusal(core: ModuleType) -> str | None:
+    """Why work on this process's NVSHMEM instance cannot be captured in a CUDA graph
+    (``LIMITED_MODE``), or None. In the limited multi-process mode (``nvshmemx_init_status()``
+    = ``NVSHMEM_STATUS_LIMITED_MPG``) ``nvshmemx_barrier_all_on_stream`` synchronizes on the
+    host and makes the stream wait on the other PEs' IPC events
+    (``src/host/coll/barrier/barrier_on_stream.cpp``): illegal under capture and fatal there
+    (``CUDA_RUNTIME_CHECK``); nvshmem4py's binding of it also holds the GIL while it spins."""
+    return LIMITED_MODE if core.init_status() == core.InitStatus.STATUS_LIMITED_MPG else None
 
 
 def _all_gather_object(obj: Any, world_size: int) -> list[Any]:
@@ -441,6 +460,7 @@ class NvshmemCommunicator(OneSided):
             _RUNTIME.release(exc)
             raise
         self._open = True
+        self.capture_refused = capture_refusal(core)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -463,6 +483,9 @@ class NvshmemCommunicator(OneSided):
             raise type(self._failure)(str(self._failure))
         if _RUNTIME.failure is not None:
             raise PeerFailure(f"rank {self.rank}: NVSHMEM failed in this process: {_RUNTIME.failure}")
+
+    def check(self) -> None:
+        self._check()
 
     def _current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
@@ -526,7 +549,9 @@ class NvshmemCommunicator(OneSided):
                 event = torch.cuda.Event()
                 event.record(stream)
             self.counter.count(peer, nbytes)
-            if not self._capturing:  # (a captured plan's tensors outlive its replays)
+            if self._capturing:  # (a captured plan's tensors outlive its replays)
+                self.note_captured((peer,), doing, what)
+            else:
                 _record_stream(local, stream)
                 self._watchdog.watch(event.query, doing, what)
             return _EventHandle(self, event)
@@ -578,6 +603,7 @@ class NvshmemCommunicator(OneSided):
             if self._capturing:  # a CUDA graph joins every forked stream into the capturing one
                 for s in joined:
                     caller.wait_stream(s)
+                self.note_captured(ranks, doing, what)
             else:
                 self._watchdog.watch(event.query, doing, what)
 

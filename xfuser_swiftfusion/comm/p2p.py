@@ -70,6 +70,12 @@ def _nccl_device() -> torch.device:
     return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def uses_cuda_streams() -> bool:
+    """Whether the default group's point-to-point work runs on CUDA streams (NCCL): then waits
+    order streams and a watchdog bounds them; else (gloo) waits block the host."""
+    return "nccl" in str(dist.get_backend())
+
+
 def queue_groups() -> dict[str, Any]:
     """Collective on first use in a world: one process group over all ranks per queue."""
     global _queue_groups
@@ -153,7 +159,7 @@ class P2PCommunicator(TwoSided):
         self._capturing = False
         self._watchdog: Watchdog | None = None
         self._streams: dict[str, Any] = {}
-        if "nccl" in str(dist.get_backend()):
+        if uses_cuda_streams():
             device = _nccl_device()
             self._streams = {q: torch.cuda.Stream(device=device) for q in QUEUES}
             self._watchdog = Watchdog(
@@ -170,6 +176,14 @@ class P2PCommunicator(TwoSided):
     def _check(self) -> None:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
+        super().check()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure or self._replay_failure
+
+    def check(self) -> None:
+        self._check()
 
     @contextlib.contextmanager
     def _issue_stream(self, queue: str) -> Iterator[None]:
@@ -237,7 +251,9 @@ class P2PCommunicator(TwoSided):
                                           f"{peers} failed: {exc}") from exc
             for p, n in counts:
                 self.counter.count(p, n)
-            if self._watchdog is not None and not self._capturing:
+            if self._capturing:  # a captured work cannot be queried: its replays are watched
+                self.note_captured(peers, doing, what)
+            elif self._watchdog is not None:
                 for work in works:
                     self._watchdog.watch(work.is_completed, doing, what)
             return _WorkHandle(self, works, unstage, peers, what, self._streams.get(queue))
@@ -264,3 +280,4 @@ class P2PCommunicator(TwoSided):
         exit (``release_queue_groups``)."""
         if self._watchdog is not None:
             self._watchdog.stop()
+        self.stop_watching()

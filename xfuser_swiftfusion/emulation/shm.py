@@ -405,6 +405,8 @@ class ShmCommunicator(OneSided):
             if not finalizer.alive:
                 raise RuntimeError(f"rank {self.rank}: {what!r}: {op} on a closed communicator")
             self.counter.count(peer, nbytes)
+            if self._capturing:
+                self.note_captured((peer,), doing, what)
             return _CopyHandle(self, copies.submit(fn, kind, size), peer, doing, what)
 
         return issue
@@ -445,6 +447,9 @@ class ShmCommunicator(OneSided):
         return functools.partial(self._barrier_now, ranks, what, quiet)
 
     def _barrier_now(self, ranks: tuple[int, ...], what: str, quiet: bool) -> None:
+        if self._capturing:
+            self.note_captured(None if len(ranks) == self.world_size else ranks,
+                               f"barrier over ranks {tuple(ranks)}", what)
         if quiet:
             self._quiet(what)
         self.counter.barriers += 1
@@ -502,6 +507,7 @@ class ShmCommunicator(OneSided):
 
     def close(self) -> None:
         """Stop the copy threads and mark me closed; the mappings go with the last tensor."""
+        self.stop_watching()
         self._finalizer()
         self._buffers.clear()
 

@@ -58,14 +58,15 @@ class PaddedAttention:
     heads). A ``key_mask`` (per token, head-independent) passes through unchanged. Runs as
     execution plans (``planned.py``) into which the inner strategy's calls are inlined.
     ``spec``, ``comms`` and ``close`` are ``inner``'s: the strategy that runs is the one asked,
-    and its byte counters count the padded heads it moves."""
+    and its byte counters count the padded heads it moves. ``options``: the ones ``inner`` was
+    built with (its ``cuda_graphs`` option governs the plans, which hold ``inner``'s calls)."""
 
-    def __init__(self, inner: Strategy, heads: int, padded: int) -> None:
+    def __init__(self, inner: Strategy, heads: int, padded: int, options: dict | None = None) -> None:
         if padded <= heads:
             raise ValueError(f"padded head count {padded} must exceed the {heads} heads")
         self.inner, self.heads, self.padded = inner, heads, padded
         self.spec: StrategySpec = inner.spec
-        self.plans = PlanCache(self.layer)
+        self.plans = PlanCache.for_strategy(self, options)
 
     @property
     def comms(self) -> list:
@@ -110,7 +111,7 @@ def build_padded(spec: StrategySpec, args: BuildArgs, padded: int) -> PaddedAtte
     """``spec`` built for ``padded`` heads on ``args.mesh`` (the padded head count's mesh),
     wrapped to take ``args.num_heads`` heads (collective, as ``spec.build``)."""
     inner = spec.build(replace(args, num_heads=padded))
-    return PaddedAttention(inner, args.num_heads, padded)
+    return PaddedAttention(inner, args.num_heads, padded, args.options)
 
 
 __all__ = ["PaddedAttention", "build_padded", "padding_message"]

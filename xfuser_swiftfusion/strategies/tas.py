@@ -61,7 +61,8 @@ class TasAttention:
     """Callable ``(q, k, v, joint, scale) -> out`` under the USP contract, on any mesh, as
     execution plans (``planned.py``: one per input signature)."""
 
-    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False) -> None:
+    def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False,
+                 options: dict | None = None) -> None:
         self.mesh, self.comm, self.comms = groups.mesh, comm, [comm]
         self.ulysses = groups.ulysses_ranks
         self.g = self.ulysses.index(rank)
@@ -71,7 +72,7 @@ class TasAttention:
         self._remote_index: dict[torch.device, torch.Tensor] = {}
         ring = groups.ring_ranks
         self.ring = PassRing(comm, ring, ring.index(rank))
-        self.plans = PlanCache(self.layer)
+        self.plans = PlanCache.for_strategy(self, options)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:
@@ -192,7 +193,7 @@ def tas_program(mesh: Mesh, rank: int, shape: Shape) -> list[Op]:
 
 SPEC = register(StrategySpec(
     "tas", "tas", "Ulysses across machines, Ring inside; all-to-all + two-sided ring, no overlap",
-    build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank, fp8.enabled(a.options)),
+    build=lambda a: TasAttention(a.groups, a.two_sided(), a.rank, fp8.enabled(a.options), a.options),
     program=tas_program, order=1, native=NATIVE))
 TasAttention.spec = SPEC
 

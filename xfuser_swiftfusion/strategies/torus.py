@@ -64,7 +64,7 @@ from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
 from .ops import Attend, Copy, Op, Program, Shape
-from .planned import PlanCache, graphs_requested
+from .planned import PlanCache
 from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing, ring_ops
 
@@ -261,8 +261,7 @@ class TorusAttention:
         self.t, self.u, self.r = mesh.coords(rank)
         options = options or {}
         self.launches = launches_option(options)  # None: by device
-        self.plans = PlanCache(self.layer, comms=comms, graphs=graphs_requested(options),
-                               name=spec.name if spec is not None else "torus")
+        self.plans = PlanCache.for_strategy(self, options)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  joint: Joint | None, scale: float, key_mask: KeyMask | None = None) -> torch.Tensor:

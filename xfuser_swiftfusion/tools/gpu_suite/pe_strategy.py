@@ -163,9 +163,11 @@ def _comms(ctx: Any) -> list:
 def wait_for_device(ctx: Any, device: torch.device, bound_s: float) -> None:
     """Wait, on the host, for the GPU work queued so far, without blocking in CUDA: raise the
     communicator's failure as soon as its watchdog records one (a kernel waiting on a dead PE
-    never finishes), or ``CommTimeout`` after ``bound_s``. A no-op on CPU."""
+    never finishes), or ``CommTimeout`` after ``bound_s``. On CPU: only where the capture
+    stand-in replays graphs (its device), else a no-op."""
     from ...comm import CommTimeout
-    if device.type != "cuda":
+    from ...strategies.planned import graph_device
+    if not graph_device(device):
         return
     event = torch.cuda.Event()
     event.record()
@@ -180,6 +182,21 @@ def wait_for_device(ctx: Any, device: torch.device, bound_s: float) -> None:
         time.sleep(1e-3)
 
 
+STAND_IN_LIMITED_ENV = "SWIFTFUSION_STAND_IN_LIMITED_MPG"
+"""Set (to 1) on CPU: the stand-in's heap acts as NVSHMEM's limited multi-process mode, unless
+the PEs run under MPS (``CUDA_MPS_PIPE_DIRECTORY`` set), as NVSHMEM does."""
+
+
+def stand_in(device: torch.device) -> None:
+    """On CPU, CUDA's capture rules (``emulation/cuda_capture.py``): the graph mode captures
+    and replays there too, and breaks where a GPU would."""
+    if device.type == "cuda":
+        return
+    from ...emulation import cuda_capture
+    cuda_capture.install(limited_mpg=os.environ.get(STAND_IN_LIMITED_ENV) == "1"
+                         and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+
+
 def _one_case(ctx: Any, case: CheckCase, rank: int, world: int, device: torch.device) -> dict:
     """``LAYERS`` calls of ``case`` on this PE: its worst error against the reference, the
     bytes it counted and those predicted, or the error it raised."""
@@ -187,6 +204,7 @@ def _one_case(ctx: Any, case: CheckCase, rank: int, world: int, device: torch.de
     local, kwargs = rank_call(x, case, rank, world)
     ref = reference_rows(x, case, rank, world)
     ctx.reset_stats()
+    graphs = ctx.stats()["graphs_captured"]  # counted since init: this case's are the new ones
     worst = 0.0
     try:
         for _ in range(LAYERS):
@@ -202,7 +220,7 @@ def _one_case(ctx: Any, case: CheckCase, rank: int, world: int, device: torch.de
     return {"error": None, "err": worst, "bytes": stats["inter_node_bytes"],
             "predicted": LAYERS * predicted_bytes(ctx.mesh, rank, case),
             "strategy": ctx.strategy, "fallbacks": stats["fallbacks"],
-            "graphs": stats["graphs_captured"]}
+            "graphs": stats["graphs_captured"] - graphs}
 
 
 def _verdict(every: list[dict], tol: float) -> list[str]:
@@ -229,9 +247,11 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
     gloo). Stops at the first case that fails. Returns whether every case passed."""
     import torch.distributed as dist
     from ...context import init_sequence_parallel
+    from ...strategies.planned import graph_device
     topo, suffix = f"{world}x1", "" if label == "plain" else f" under {label}"
-    note = "" if device.type == "cuda" else " (CPU stand-in: shm heap)"
+    note = "" if device.type == "cuda" else " (CPU stand-in: shm heap, CUDA capture rules)"
     tags = {"attempt": label, "world": world, "stand_in": device.type != "cuda"}
+    stand_in(device)
     passed = 0
     for mode, (options, _) in MODES.items():
         try:
@@ -243,10 +263,17 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
                   f"init_sequence_parallel: {type(exc).__name__}: {exc}"[:400], refused=refused,
                   rank=rank, **tags)
             return False
+        refused_by = next((c.capture_refused for c in _comms(ctx) if c.capture_refused), None)
+        if mode == "graph" and refused_by:  # NVSHMEM's limited mode: MPS is tried next
+            ctx.close()
+            if rank == 0:
+                w.add(f"{topo} {mode}{suffix}", "INFO", f"not captured: {refused_by}"[:400],
+                      refused=True, **tags)
+            return False
         try:
             for name, case in mode_cases(world, mode):
                 mine = _one_case(ctx, case, rank, world, device)
-                if mode == "graph" and device.type == "cuda" and mine["error"] is None \
+                if mode == "graph" and graph_device(device) and mine["error"] is None \
                         and mine["graphs"] < 1:
                     mine["error"] = ("its plan was not captured in a CUDA graph (the log of this "
                                      "PE says why)")
@@ -320,15 +347,24 @@ def _run_fault(w: RowWriter, rank: int, world: int, device: torch.device, label:
     tags = {"attempt": label, "world": world, "fault": True, "rank": rank,
             "stand_in": device.type != "cuda"}
     _, case = cases(world)[0]
+    stand_in(device)
     x = global_inputs(case, device)
     local, kwargs = rank_call(x, case, rank, world)
     try:
         with init_sequence_parallel(STRATEGY, HEADS, topo, timeout_s=COMM_TIMEOUT_S, comm=comm) as warm:
             warm.attention(*local, **kwargs)
             wait_for_device(warm, device, COMM_TIMEOUT_S)
-        ctx = init_sequence_parallel(STRATEGY, HEADS, topo, timeout_s=FAULT_TIMEOUT_S, comm=comm)
-        ctx.attention(*local, **kwargs)
-        wait_for_device(ctx, device, COMM_TIMEOUT_S)
+        ctx = init_sequence_parallel(STRATEGY, HEADS, topo, timeout_s=FAULT_TIMEOUT_S, comm=comm,
+                                     options={"cuda_graphs": True})
+        limited = next((c.capture_refused for c in _comms(ctx) if c.capture_refused), None)
+        if limited:  # barriers are host spins holding the GIL there: no watchdog could run
+            raise RuntimeError(f"the fault run needs barriers that are kernels (MPS or one PE "
+                               f"per GPU): {limited}")
+        for _ in range(2):  # eager, then captured: the survivors replay in the faulty layers
+            ctx.attention(*local, **kwargs)
+            wait_for_device(ctx, device, COMM_TIMEOUT_S)
+        if ctx.stats()["graphs_captured"] != 1:
+            raise RuntimeError("the layer was not captured in a CUDA graph (this PE's log says why)")
     except Exception as exc:  # noqa: BLE001
         w.add(f"{case_name} (rank {rank})", "FAIL", f"the layers before the fault failed: "
               f"{type(exc).__name__}: {exc}"[:400], **tags)

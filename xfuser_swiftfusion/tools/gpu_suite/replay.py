@@ -69,10 +69,12 @@ class ReplayComm(OneSided):
     from any peer copies from this rank's own buffer, a ``put`` to another peer into a scratch
     image of the buffer that nothing reads (puts to several peers would otherwise land in one
     local slot, concurrently on pool streams: a race no real cluster has); byte counts as the
-    real transfers'. ``copies``: device-to-device copies issued."""
+    real transfers'. ``copies``: device-to-device copies issued (a CUDA graph replay of a plan
+    adds what its capture issued, as it adds bytes: ``replay_counts``)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     copies: int = field(default=0, init=False)
+    replay_counts = ("copies",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -324,7 +326,12 @@ def _graph_ms(fn: Callable[[], torch.Tensor], r: ReplayLayer,
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        capture = torch.cuda.Stream()  # a failed capture may leave the allocator on its stream
+        capture.wait_stream(torch.cuda.current_stream())
+        # an outer stream context of ours: torch.cuda.graph's own is not left when its
+        # capture_end raises, and this one puts the thread back on its stream
+        with torch.cuda.stream(capture), torch.cuda.graph(graph, stream=capture,
+                                                          capture_error_mode="thread_local"):
             try:
                 out = fn()
             except BaseException as exc:
