@@ -76,7 +76,12 @@ def test_a_pe_killed_mid_layer_fails_the_others_fast(tmp_path):
         ("2x1 PE 1 SIGKILLed mid-layer (rank 1)", "INFO"),
         ("2x1 PE 1 SIGKILLed mid-layer: the victim named", "PASS")], rows
     assert rows[0].data["seconds"] < pe_strategy.FAULT_BOUND_S
-    assert "PeerFailure: swiftfusion: rank 0: " in rows[0].data["message"]
+    # the survivor was replaying the layer's CUDA graph (the capture stand-in on CPU): the
+    # replay's watchdog names its rank, the peer and the stages of the captured work
+    message = rows[0].data["message"]
+    assert message.startswith("CommTimeout: swiftfusion: rank 0: 'swiftfusion: CUDA graph replay'")
+    assert "peers [1]" in message and "barrier 1 (after intra-machine Ulysses scatter)" in message
+    assert not pe_strategy.fault_named(message, 0), message
     assert "SIGKILL mid-layer" in (tmp_path / "gpu-suite.log").read_text()
 
 
@@ -317,3 +322,36 @@ def test_a_survivors_error_must_name_rank_peer_and_stage(rank, text, missing):
     assert pe_strategy.fault_named(text, rank) == missing
     assert pe_strategy.fault_named(text.split(": ", 1)[1], rank, typed=False) == [
         m for m in missing if m != "CommTimeout/PeerFailure"]
+
+
+# -- NVSHMEM's limited multi-process mode, on the capture stand-in ------------------------------
+
+def _graph_cases(rows: str, mps: bool) -> list:
+    if mps:
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = "/tmp/stand-in-mps"  # the stand-in's full mode
+    pe_strategy.MODES = {"graph": pe_strategy.MODES["graph"]}
+    pe_strategy.cases = lambda world: pe_strategy.__dict__["_all_cases"](world)[:1]
+    from xfuser_swiftfusion.emulation import cuda_capture
+    ok = _cases(rows)
+    return [ok, list(cuda_capture.STATS.violations), cuda_capture.STATS.replays]
+
+
+@pytest.mark.parametrize("mps", [False, True])
+def test_limited_mode_refuses_graphs_so_mps_is_tried(tmp_path, monkeypatch, mps):
+    """PEs sharing a GPU without MPS (the stand-in's heap as NVSHMEM's limited mode: a barrier
+    is a host barrier plus a wait on another PE's IPC event, which breaks a capture): the graph
+    mode is an INFO row marked refused, so the stage reruns under MPS, and nothing is captured;
+    under MPS (the stand-in's full mode) the same case captures and replays."""
+    monkeypatch.setenv(pe_strategy.STAND_IN_LIMITED_ENV, "1")
+    monkeypatch.setattr(pe_strategy, "_all_cases", pe_strategy.cases, raising=False)
+    rows = str(tmp_path / "rows.jsonl")
+    got = run_emulated(_graph_cases, "2x1", rows, mps, timeout_s=120)
+    (row,) = read_rows(rows)
+    if not mps:
+        assert [ok for ok, _, _ in got] == [False, False]
+        assert (row.case, row.result, row.data["refused"]) == ("2x1 graph", "INFO", True), row
+        assert "limited multi-process mode" in row.figure and "MPS" in row.figure
+        assert all(not violations and not replays for _, violations, replays in got), got
+    else:
+        assert [ok for ok, _, _ in got] == [True, True] and row.result == "PASS", row
+        assert all(not violations and replays == 2 for _, violations, replays in got), got

@@ -111,7 +111,7 @@ def _local_layer(counter: list):
 
 def test_plan_cache_compiles_once_per_signature_and_is_bounded():
     compiles: list = []
-    cache = PlanCache(_local_layer(compiles), size=2)
+    cache = PlanCache(_local_layer(compiles), size=2, comms=[], graphs=None)
     g = torch.Generator().manual_seed(0)
     for L in (4, 4, 6, 4, 8, 4, 6):
         q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
@@ -235,8 +235,14 @@ class _FakeCuda:
                 for node in self.nodes:
                     node()
 
+        class Stream:
+            device = torch.device("cpu")
+
+            def wait_stream(self, other) -> None:
+                pass
+
         @contextlib.contextmanager
-        def graph(g, capture_error_mode="global"):
+        def graph(g, stream=None, capture_error_mode="global"):
             assert capture_error_mode == "thread_local"  # the watchdogs keep querying meanwhile
             fake.capturing, fake.graph = True, g
             try:
@@ -251,6 +257,9 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
         monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(PlanCache, "_graphs_on", lambda self, device: True)
 
@@ -274,6 +283,7 @@ class _Comm:
         from xfuser_swiftfusion.comm.base import ByteCounter
         self.counter = ByteCounter([0, 1], 0)
         self.watched, self.captures = [], 0
+        self.capture_refused, self.replay_counts = None, ()
         comm = self
 
         @contextlib.contextmanager
@@ -282,8 +292,11 @@ class _Comm:
             yield
         self.capturing = capturing
 
-    def watch(self, event, what) -> None:
+    def watch(self, event, what, doing="") -> None:
         self.watched.append(what)
+
+    def check(self) -> None:
+        pass
 
 
 def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog):
@@ -300,7 +313,7 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
         plan.call(cuda.work(lambda: out.copy_(q * 2)))
         return plan.output(lambda: out.clone())
 
-    cache = PlanCache(layer, comms=[comm], name="test layer")
+    cache = PlanCache(layer, comms=[comm], graphs=None, name="test layer")
     g = torch.Generator().manual_seed(0)
     outs = []
     for _ in range(4):
@@ -321,7 +334,7 @@ def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, c
         plan.call(cuda.work(lambda: out.copy_(q + 1)))
         return plan.output(lambda: out.clone())
 
-    cache = PlanCache(layer, name="failing layer")
+    cache = PlanCache(layer, comms=[], graphs=None, name="failing layer")
     with caplog.at_level("WARNING"):
         for _ in range(3):
             q = torch.randn(2, 3)

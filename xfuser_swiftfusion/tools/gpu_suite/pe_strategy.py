@@ -166,8 +166,8 @@ def wait_for_device(ctx: Any, device: torch.device, bound_s: float) -> None:
     never finishes), or ``CommTimeout`` after ``bound_s``. On CPU: only where the capture
     stand-in replays graphs (its device), else a no-op."""
     from ...comm import CommTimeout
-    from ...strategies.planned import graph_device
-    if not graph_device(device):
+    from ...strategies import planned
+    if not planned.graph_device(device):
         return
     event = torch.cuda.Event()
     event.record()
@@ -247,7 +247,7 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
     gloo). Stops at the first case that fails. Returns whether every case passed."""
     import torch.distributed as dist
     from ...context import init_sequence_parallel
-    from ...strategies.planned import graph_device
+    from ...strategies import planned
     topo, suffix = f"{world}x1", "" if label == "plain" else f" under {label}"
     note = "" if device.type == "cuda" else " (CPU stand-in: shm heap, CUDA capture rules)"
     tags = {"attempt": label, "world": world, "stand_in": device.type != "cuda"}
@@ -273,7 +273,7 @@ def _run_cases(w: RowWriter, rank: int, world: int, device: torch.device, label:
         try:
             for name, case in mode_cases(world, mode):
                 mine = _one_case(ctx, case, rank, world, device)
-                if mode == "graph" and graph_device(device) and mine["error"] is None \
+                if mode == "graph" and planned.graph_device(device) and mine["error"] is None \
                         and mine["graphs"] < 1:
                     mine["error"] = ("its plan was not captured in a CUDA graph (the log of this "
                                      "PE says why)")
