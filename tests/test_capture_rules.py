@@ -232,12 +232,13 @@ def _caches(strategy) -> list[tuple]:
     return found
 
 
-def _check(results: list[list[dict]], topo: str) -> None:
+def _check(results: list[list[dict]], topo: str, env_graphs: bool = True) -> None:
     for rank, rows in enumerate(results):
         for r in rows:
             where = (topo, rank, r["case"])
             strategy, H, _, _, _, dtype, options = r["case"]
             graphs = options.get("cuda_graphs", True)
+            graphs = env_graphs if graphs is None else graphs
             assert not r["violations"] and not r["failures"], (where, r["violations"], r["failures"])
             if options.get("fp8_comms"):
                 assert max(r["errs"]) <= FP8_BOUND * r["bound"], (where, r["errs"])
@@ -264,6 +265,17 @@ def test_the_two_sided_and_padded_strategies_replay_under_the_rules(topo):
     cases = [("tas", 4, 2, 5, True, torch.float32, {}), ("torus", 3, 3, 2, True, torch.float32, {}),
              ("auto", 3, 3, 0, False, torch.float32, {"external": False})]
     _check(run_emulated(_strategies_rank, topo, cases, timeout_s=300), topo)
+
+
+def test_the_environment_turns_graphs_off_for_every_strategy():
+    """``$SWIFTFUSION_CUDA_GRAPHS=off`` (no option given) reaches tas, the padded wrapper and
+    auto's children as it reaches torus."""
+    cases = [("tas", 4, 4, 0, False, torch.float32, {"cuda_graphs": None}),
+             ("swiftfusion", 3, 3, 0, False, torch.float32, {"cuda_graphs": None}),
+             ("auto", 4, 4, 0, False, torch.float32, {"cuda_graphs": None, "external": False})]
+    results = run_emulated(_strategies_rank, "2x2", cases, timeout_s=300,
+                           env={"SWIFTFUSION_CUDA_GRAPHS": "off"})
+    _check(results, "2x2", env_graphs=False)
 
 
 @pytest.mark.slow
@@ -298,3 +310,34 @@ def test_a_plan_cache_without_the_strategys_communicators_breaks_the_rules():
     for violations, failure, raised in run_emulated(_unwired_tas_rank, "2x1", timeout_s=120):
         assert any("907" in v for v in violations), violations
         assert failure is not None and "907" in failure, failure
+
+
+def test_no_plan_cache_without_communicators_and_graphs_option():
+    """The constructor takes both as required keywords; strategies go through for_strategy."""
+    import pathlib
+    with pytest.raises(TypeError, match="comms"):
+        PlanCache(lambda *a: None)
+    src = pathlib.Path(sf.__file__).parent / "strategies"
+    built = [p.name for p in src.glob("*.py") if "PlanCache(" in p.read_text() and p.name != "planned.py"]
+    assert built == [], built
+    uses = sorted(p.name for p in src.glob("*.py") if "PlanCache.for_strategy(self, options)" in p.read_text())
+    assert uses == ["padded.py", "tas.py", "torus.py"]  # swiftfusion builds a TorusAttention
+
+
+@pytest.mark.parametrize("status,refused", [("STATUS_LIMITED_MPG", True), ("STATUS_FULL_MPG", False),
+                                            ("STATUS_IS_INITIALIZED", False)])
+def test_nvshmem_limited_mode_refuses_capture(status, refused):
+    """nvshmem4py: ``nvshmem.core.init_status()`` -> ``InitStatus`` (``nvshmemx_init_status``)."""
+    import enum
+
+    from xfuser_swiftfusion.comm.nvshmem import LIMITED_MODE, capture_refusal
+
+    class InitStatus(enum.IntEnum):  # nvshmemx_init_status_t's values
+        STATUS_NOT_INITIALIZED, STATUS_IS_BOOTSTRAPPED, STATUS_IS_INITIALIZED = 0, 1, 2
+        STATUS_LIMITED_MPG, STATUS_FULL_MPG = 3, 4
+
+    class Core:
+        pass
+    core = Core()
+    core.InitStatus, core.init_status = InitStatus, lambda: InitStatus[status]
+    assert capture_refusal(core) == (LIMITED_MODE if refused else None)

@@ -825,3 +825,48 @@ def test_host_and_gpu_time_of_a_call_are_told_apart(monkeypatch, host_s, gpu_s, 
     host, on_gpu = timing.host_and_gpu_ms(layer, torch.device("cuda"), reps=2)
     assert host_s * 1e3 * 0.9 < host < host_s * 1e3 * 1.5 + 3
     assert gpu_s * 1e3 - 0.5 < on_gpu < gpu_s * 1e3 + 0.5
+
+
+def test_replayed_graph_rows_count_the_copies_of_their_transfers():
+    """A plan's CUDA graph replay adds its capture's copies to ``ReplayComm.copies`` as it adds
+    bytes (``replay_counts``; on CPU through the capture stand-in)."""
+    from xfuser_swiftfusion.emulation import cuda_capture
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    cuda_capture.install()
+    try:
+        r = replay.build_layer(kernel.ModelShape("m", 24, 16, 32 * 4, joint=3), torch.device("cpu"),
+                               torch.float32)
+        eager = replay._one_layer(r, r.variant(True, "stage", False))
+        graphed = r.variant(True, "stage", True)
+        for _ in range(3):  # compile, capture, replay
+            graphed()
+        assert cuda_capture.STATS.replays == 2 and not cuda_capture.STATS.violations
+        per_layer = replay._one_layer(r, graphed)
+        assert cuda_capture.STATS.replays == 3
+        assert per_layer == eager and per_layer["copies"] > 0, (per_layer, eager)
+    finally:
+        cuda_capture.uninstall()
+
+
+def test_a_failed_capture_in_the_replay_stage_leaves_the_callers_stream():
+    """torch.cuda.graph's __exit__ raises in capture_end before leaving its stream context:
+    the replay stage captures inside an outer stream context of its own."""
+    from xfuser_swiftfusion.emulation import cuda_capture
+    from xfuser_swiftfusion.tools.gpu_suite import replay
+    cuda_capture.install()
+    try:
+        r = replay.build_layer(kernel.ModelShape("m", 24, 16, 32 * 4, joint=3), torch.device("cpu"),
+                               torch.float32)
+
+        def syncing():
+            out = r()
+            torch.cuda.synchronize()  # a host synchronisation: illegal while capturing
+            return out
+        caller = torch.cuda.Stream()
+        with torch.cuda.stream(caller):
+            ms, how, diff = replay._graph_ms(syncing, r, quick=True)
+            assert ms is None and how.startswith("capture failed: CaptureRuleError") and diff is None
+            assert torch.cuda.current_stream() is caller
+            assert id(caller) not in cuda_capture.allocator_capturing
+    finally:
+        cuda_capture.uninstall()

@@ -36,8 +36,9 @@ The rules, read from the sources (CUDA runtime documentation of stream capture, 
 What runs: a capture runs the plan's steps once (a CPU cannot defer them; every rank captures
 at the same call, so transfers still match) and records the plans (``Plan.run_steps``) it ran;
 ``replay`` runs those steps again as the GPU would run the graph: without the host-side effects
-a replay does not have (byte counters, ``attend_calls``, the communicators' ``replay_counts``
-and watchdog registrations stay as they are: the plan cache adds what the capture counted).
+a replay does not have (byte counters, ``attend_calls``, the communicators' integer
+attributes such as ``copies``, and watchdog registrations stay as they are: the plan cache adds
+what the capture counted).
 A step that fails during a replay (a peer died) leaves the device stuck, as a kernel waiting on
 a dead peer: events recorded after it never complete and later replays do nothing, and the
 watchdog of the event recorded behind the replay reports it. ``STATS`` counts captures and
@@ -522,7 +523,9 @@ def install(limited_mpg: bool = False) -> None:
     comm_setattr = base.Communicator.__setattr__
 
     def comm_counted(self, name: str, value: object) -> None:
-        if not (is_replaying() and name in type(self).replay_counts):
+        # a GPU replay runs no Python: the host-side counts of a communicator (``copies`` of
+        # the replay stage's) stay as they are unless the plan cache adds them
+        if not (is_replaying() and type(value) is int):
             comm_setattr(self, name, value)
     _patch(base.Communicator, "__setattr__", comm_counted)
 
