@@ -673,8 +673,12 @@ def test_replay_stage_rows_on_cpu(tmp_path, monkeypatch):
     replay.replay(RowWriter(str(tmp_path / "r.jsonl"), "replay"), torch.device("cpu"), quick=True)
     rows = read_rows(str(tmp_path / "r.jsonl"))
     assert [r.case.split(": ")[-1] for r in rows] == [
-        "USP (xFuser's ring on this rank)", "cpu, direct", "cpu, plan", "USP-equivalent single kernel"]
-    usp, direct, planned = rows[0].data, rows[1].data, rows[2].data
+        "USP (xFuser's ring on this rank)", "cpu, direct", "cpu, plan", "cpu, plan + CUDA graph",
+        "USP-equivalent single kernel"]
+    usp, direct, planned, graphed = rows[0].data, rows[1].data, rows[2].data, rows[3].data
+    # the graph row's plan captured and replayed under the capture stand-in: a replay's counts
+    assert "capture rules" in graphed["graph"] and graphed["copies"] == planned["copies"] > 0
+    assert graphed["attend_calls"] == planned["attend_calls"] and rows[3].result == "INFO"
     assert usp["usp"] and usp["launches"] == usp["R"] == 4  # one attention call per ring block
     assert direct["attend_calls"] > 0 and direct["stand_in"] and not direct["plan"]
     # the plan's launches: one per Torus stage and query entry (T = 4: 10) against one per
@@ -683,7 +687,7 @@ def test_replay_stage_rows_on_cpu(tmp_path, monkeypatch):
     # (finalize-only attend calls launch no attention)
     assert direct["launch_mode"] == "ring" and 10 < direct["launches"] <= direct["attend_calls"]
     assert planned["usp_gpu_ms"] == usp["gpu_ms"] and planned["usp_ratio"] > 0
-    assert "x the single kernel" in rows[3].figure
+    assert "x the single kernel" in rows[4].figure
 
 
 # -- the dry run's look-alike: a CUDA build of torch on a machine without a GPU ----------------

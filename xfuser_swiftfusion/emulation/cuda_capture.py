@@ -535,6 +535,19 @@ def install(limited_mpg: bool = False) -> None:
                LimitedBarriers.wrap(shm.ShmCommunicator.prepare_barrier))
 
 
+@contextlib.contextmanager
+def active(limited_mpg: bool = False):
+    """The stand-in installed for the body (left as it was found after)."""
+    mine = not installed()
+    if mine:
+        install(limited_mpg)
+    try:
+        yield
+    finally:
+        if mine:
+            uninstall()
+
+
 def uninstall() -> None:
     """Undo ``install`` and reset the device, captures and counts."""
     while _saved:
@@ -553,7 +566,7 @@ def reset() -> None:
     _local.__dict__.clear()
 
 
-__all__ = ["CAPTURED_EVENT", "CaptureRuleError", "FREED", "INVALIDATED", "ISOLATION",
+__all__ = ["CAPTURED_EVENT", "active", "CaptureRuleError", "FREED", "INVALIDATED", "ISOLATION",
            "LimitedBarriers", "STATS", "StandInEvent", "StandInGraph", "StandInStream",
            "StandInWork", "UNJOINED", "UNSUPPORTED", "allocator_capturing", "current_stream",
            "graph", "install", "installed", "is_replaying", "reset", "uninstall"]

@@ -31,6 +31,8 @@ CogVideoX 5B on 4 x 8 GPUs (``kernel.MODELS``; CPU stand-ins with ``--allow-cpu`
 """
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -355,6 +357,18 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+@contextlib.contextmanager
+def _capture_stand_in(on: bool):
+    """On CPU, a graph row's plan captured and replayed under CUDA's capture rules
+    (``emulation/cuda_capture.py``): its counts are a replay's."""
+    if not on:
+        yield
+        return
+    from ...emulation import cuda_capture
+    with cuda_capture.active():
+        yield
+
+
 def _one_layer(r: ReplayLayer, fn: Callable[[], torch.Tensor]) -> dict[str, int]:
     """Run ``fn`` (a variant of the layer) once: its attend calls, copies and transfer bytes."""
     calls0, copies0 = attend_calls(), r.comm.copies
@@ -431,10 +445,11 @@ def _variant_row(w: RowWriter, r: ReplayLayer, name: str, variant: str, where: s
     device, cuda = r.q.device, r.q.device.type == "cuda"
     plan, launches, graphs = VARIANTS[variant]
     waits = host = gpu = wall = graph_ms = diff = None
-    graph_how = "CPU: no CUDA graphs" if not cuda else ""
+    graph_how = "" if cuda else ("CPU: captured and replayed under the stand-in of CUDA's capture "
+                                 "rules (no GPU timing)" if graphs else "CPU: no CUDA graphs")
     try:
-        with backend(name):
-            fn = r.variant(plan, launches, graphs and cuda)
+        with backend(name), _capture_stand_in(graphs and not cuda):
+            fn = r.variant(plan, launches, graphs)
             for _ in range(3 if graphs else 1):  # compile, capture, replay
                 fn()
             per_layer = _one_layer(r, fn)
@@ -498,7 +513,7 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         usp_gpu = _usp_row(w, r, names, where, quick)
         layer_gpu: dict[str, float] = {}
         for name in names:
-            for variant in PER_BACKEND.get(name, OTHER_VARIANTS if cuda else ("direct", "plan")):
+            for variant in PER_BACKEND.get(name, OTHER_VARIANTS if cuda else ("direct", "plan", "plan + CUDA graph")):
                 gpu = _variant_row(w, r, name, variant, where, usp_gpu, quick)
                 if gpu is not None:
                     key = f"{name}, {variant}"
