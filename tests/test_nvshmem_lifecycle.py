@@ -128,6 +128,15 @@ class FakeCore:
     def get_version(self) -> SimpleNamespace:
         return SimpleNamespace(libnvshmem_version="3.8.0-fake")
 
+    @property
+    def InitStatus(self) -> Any:  # noqa: N802  (nvshmem.core's name)
+        from nvshmem.core import InitStatus
+        return InitStatus
+
+    def init_status(self) -> Any:
+        """One PE per GPU: initialised, not a multi-process-per-GPU mode."""
+        return self.InitStatus.STATUS_IS_INITIALIZED
+
     def init(self, **kw: Any) -> None:
         self.env.rec("init", kw)
 

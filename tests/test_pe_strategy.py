@@ -355,3 +355,43 @@ def test_limited_mode_refuses_graphs_so_mps_is_tried(tmp_path, monkeypatch, mps)
     else:
         assert [ok for ok, _, _ in got] == [True, True] and row.result == "PASS", row
         assert all(not violations and replays == 2 for _, violations, replays in got), got
+
+
+def _second_capture_fails(rows: str) -> list:
+    from xfuser_swiftfusion.strategies.planned import PlanCache
+    pe_strategy.MODES = {"graph": pe_strategy.MODES["graph"]}
+    capture, tries = PlanCache._capture, []
+
+    def first_only(self, entry):
+        tries.append(1)
+        return capture(self, entry) if len(tries) == 1 else None
+    PlanCache._capture = first_only
+    return [_cases(rows)]
+
+
+def test_graph_mode_checks_each_cases_capture(tmp_path):
+    """``graphs_captured`` counts since init: each case must add its own graph (the second
+    case's capture fails here, and its row says so)."""
+    rows = str(tmp_path / "rows.jsonl")
+    assert run_emulated(_second_capture_fails, "2x1", rows, timeout_s=120) == [[False], [False]]
+    got = read_rows(rows)
+    assert [r.result for r in got] == ["PASS", "FAIL"], got
+    assert "not captured in a CUDA graph" in got[1].figure
+
+
+def _limited_fault(rows: str) -> bool:
+    w = RowWriter(rows, STAGE)
+    pe_strategy._run_fault(w, dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "plain", "shm")
+    return True
+
+
+def test_the_fault_run_needs_barriers_that_are_kernels(tmp_path, monkeypatch):
+    """In NVSHMEM's limited mode a barrier spins on the host holding the GIL (nvshmem4py's
+    binding of barrier_all_on_stream), so no watchdog could end a PE waiting on a dead one:
+    the fault run refuses to run there (the stage runs it only where graph mode passed)."""
+    monkeypatch.setenv(pe_strategy.STAND_IN_LIMITED_ENV, "1")
+    rows = str(tmp_path / "rows.jsonl")
+    assert run_emulated(_limited_fault, "2x1", rows, timeout_s=120) == [True, True]
+    got = read_rows(rows)
+    assert [r.result for r in got] == ["FAIL", "FAIL"], got
+    assert all("barriers that are kernels" in r.figure for r in got)
