@@ -283,7 +283,7 @@ class _Comm:
         from xfuser_swiftfusion.comm.base import ByteCounter
         self.counter = ByteCounter([0, 1], 0)
         self.watched, self.captures = [], 0
-        self.capture_refused, self.replay_counts = None, ()
+        self.capture_refused, self.replay_counts, self.rank = None, (), 0
         comm = self
 
         @contextlib.contextmanager

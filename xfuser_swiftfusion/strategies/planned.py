@@ -223,7 +223,7 @@ class PlanCache:
                      f"({type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}); "
                      "it runs eagerly (cuda_graphs=False skips the attempt)", logging.WARNING)
             return None
-        entry.replays = [replay_doing(self.name, notes or []) for notes in issued]
+        entry.replays = [replay_doing(self.name, notes or [], c.rank) for c, notes in zip(self.comms, issued)]
         return graph
 
     def _compile(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -271,11 +271,11 @@ def graph_device(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def replay_doing(name: str, notes: list[tuple[tuple[int, ...] | None, str, str]]) -> str:
-    """What a replay of ``name``'s captured work does, for a watchdog's message: the peers and
-    stages of the transfers and barriers a communicator noted while capturing (``notes``:
-    ``(peers or None for all ranks, doing, stage)``)."""
-    peers = sorted({p for ranks, _, _ in notes if ranks for p in ranks})
+def replay_doing(name: str, notes: list[tuple[tuple[int, ...] | None, str, str]], rank: int) -> str:
+    """What a replay of ``name``'s captured work does, for a watchdog's message: the peers
+    (besides ``rank``) and stages of the transfers and barriers a communicator noted while
+    capturing (``notes``: ``(peers or None for all ranks, doing, stage)``)."""
+    peers = sorted({p for ranks, _, _ in notes if ranks for p in ranks} - {rank})
     every = any(ranks is None for ranks, _, _ in notes)
     stages = list(dict.fromkeys(what for _, _, what in notes))
     shown = ", ".join(repr(s) for s in stages[:6]) + (f" and {len(stages) - 6} more" if len(stages) > 6 else "")
