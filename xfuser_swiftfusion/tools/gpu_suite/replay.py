@@ -515,7 +515,7 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         for name in names:
             for variant in PER_BACKEND.get(name, OTHER_VARIANTS if cuda else ("direct", "plan", "plan + CUDA graph")):
                 gpu = _variant_row(w, r, name, variant, where, usp_gpu, quick)
-                if gpu is not None:
+                if gpu is not None and (cuda or not VARIANTS[variant][2]):  # (stand-in graphs: no timing)
                     key = f"{name}, {variant}"
                     layer_gpu[key] = gpu
         single = {}
