@@ -43,16 +43,11 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 
 from .. import plan
+from .errors import CommTimeout, PeerFailure
 
 QUEUES = ("ring", "other")
 
 
-class CommTimeout(TimeoutError):
-    """A wait, barrier or receive did not complete within the configured timeout."""
-
-
-class PeerFailure(RuntimeError):
-    """A peer rank died or reported an error while we depended on it."""
 
 
 @dataclass
@@ -155,7 +150,7 @@ class Communicator(abc.ABC):
     def _replays_watched(self):
         if self._replay_watchdog is None:
             from ..log import get_logger
-            from .watchdog import Watchdog, abort_process
+            from .watchdog import Watchdog, abort_process  # (watchdog needs only .errors)
 
             def fail(exc: BaseException) -> None:
                 self._replay_failure = exc

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .base import CommTimeout, PeerFailure
+from .errors import CommTimeout, PeerFailure
 
 
 def abort_process(message: str) -> None:
