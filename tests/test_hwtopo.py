@@ -1,0 +1,227 @@
+"""Islands of GPUs inside one host from NVML (``hwtopo.py``), on fake hosts (``support/fake_nvml``).
+
+Expected islands are written out by hand from each box's wiring, not computed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import xfuser_swiftfusion as sf
+from xfuser_swiftfusion import hwtopo
+from xfuser_swiftfusion.emulation.launcher import run_emulated
+from xfuser_swiftfusion.mesh import choose_mesh
+from xfuser_swiftfusion.topology import TOPOLOGY_ENV, Topology, TopologyError, subset_topology
+from support import fake_nvml as fk
+from support.reference import max_abs_err, rank_rows
+
+
+def _host(nvml, ranks: int, visible: str | None = None) -> hwtopo.HostIslands:
+    """Every rank's probe (rank = local rank) on one host, and its islands."""
+    probes = [hwtopo.probe(nvml, None, lr, visible) for lr in range(ranks)]
+    assert nvml.inits == 0  # every nvmlInit is shut down
+    return hwtopo.host_islands(["box"] * ranks, probes)
+
+
+def _islands(found: hwtopo.HostIslands) -> list[list[int]]:
+    out: dict[int, list[int]] = {}
+    for r, m in enumerate(found.machine_of):
+        out.setdefault(m, []).append(r)
+    return list(out.values())
+
+
+def test_two_socket_pcie_is_two_islands_of_four():
+    found = _host(fk.two_socket_pcie(), 8)
+    assert _islands(found) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert Topology.from_machines(found.machine_of) == Topology(2, 4)
+    assert not found.nvlink and not found.p2p_off
+    assert "8 GPUs on 1 host" in found.description and "2 islands of 4" in found.description
+    assert "socket interconnect" in found.description and "no NVLink" in found.description
+    assert "GPUs 0-3: PCIe switches" in found.description
+
+
+def test_dgx1_hybrid_cube_mesh_is_one_island():
+    found = _host(fk.dgx1(), 8)
+    assert _islands(found) == [list(range(8))]
+    assert found.nvlink
+    probe = hwtopo.probe(fk.dgx1(), None, 0)
+    # GPU 0 links to 1, 2, 3 and 4; 5, 6, 7 only through PCIe and the sockets
+    assert [probe.links[fk.FakeNVML.bus(j)[4:].lower()] for j in range(1, 8)] == \
+        ["nvlink"] * 4 + ["sys"] * 3
+
+
+def test_nvswitch_is_one_island():
+    found = _host(fk.nvswitch(), 8)
+    assert _islands(found) == [list(range(8))] and found.nvlink
+
+
+def test_bridged_pairs():
+    # two sockets: the socket link is the slowest, each socket (two bridged pairs) an island
+    assert _islands(_host(fk.bridged_pairs(2), 8)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # one socket: pairs meet at the host bridges, each NVLink pair an island
+    found = _host(fk.bridged_pairs(1, 4), 4)
+    assert _islands(found) == [[0, 1], [2, 3]] and found.nvlink
+    assert "NUMA node" in found.description
+
+
+def test_one_gpu():
+    found = _host(fk.one_gpu(), 1)
+    assert found.machine_of == [0] and found.islands_per_host == 1
+
+
+def test_hidden_gpus_follow_cuda_visible_devices():
+    nvml = fk.two_socket_pcie()
+    # the job sees socket 1 only: one PCIe switch tree, one island
+    assert _islands(_host(nvml, 4, "4,5,6,7")) == [[0, 1, 2, 3]]
+    # bridged pairs, socket 1 only: the NVLink pairs are the islands
+    found = _host(fk.bridged_pairs(2), 4, "4,5,6,7")
+    assert _islands(found) == [[0, 1], [2, 3]] and "GPUs 4-5: NVLink" in found.description
+    # one GPU per socket, or two behind one switch: no faster link to group by
+    assert _islands(_host(nvml, 2, "3,4")) == [[0, 1]]
+    assert _islands(_host(nvml, 2, "2,3")) == [[0, 1]]
+    # by UUID (prefixes, as CUDA accepts them)
+    uuids = ",".join(nvml.nvmlDeviceGetUUID(("handle", i))[:12] for i in (6, 7))
+    found = _host(nvml, 2, uuids)
+    assert _islands(found) == [[0, 1]] and "GPUs 6-7" in found.description
+    # interleaved: ranks are mapped to their islands, not refused
+    found = _host(nvml, 8, "0,4,1,5,2,6,3,7")
+    assert _islands(found) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    topo = Topology.from_machines(found.machine_of)
+    assert (topo.nodes, topo.gpus_per_node) == (2, 4) and topo.order == (0, 2, 4, 6, 1, 3, 5, 7)
+    with pytest.raises(LookupError, match="lists 1 GPUs"):
+        hwtopo.probe(nvml, None, 1, "0")
+
+
+def test_unequal_islands_stay_one_machine():
+    found = _host(fk.two_socket_pcie(), 3, "0,2,4")
+    assert _islands(found) == [[0, 1, 2]] and "unequal size (2 + 1)" in found.description
+
+
+def test_p2p_off_is_reported():
+    found = _host(fk.two_socket_pcie(p2p=False), 4, "0,1,4,5")
+    assert len(found.p2p_off) == 6 and "no GPU peer-to-peer" in found.description
+
+
+def test_cuda_uuid_maps_the_rank():
+    nvml = fk.two_socket_pcie()
+    uuid = nvml.nvmlDeviceGetUUID(("handle", 5)).removeprefix("GPU-")
+    assert hwtopo.probe(nvml, uuid, 0).index == 5
+
+
+def test_ordered_topology_places_mesh_on_islands():
+    topo = Topology(2, 4, (0, 2, 4, 6, 1, 3, 5, 7))
+    assert [topo.node_of(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert Topology(2, 4, tuple(range(8))) == Topology(2, 4) and Topology(2, 4).order is None
+    with pytest.raises(TopologyError, match="every rank"):
+        Topology(2, 2, (0, 1, 1, 3))
+    tas = choose_mesh(topo, 8, "tas", 4)            # U4 x R2: ring pairs inside an island
+    assert tas.ring_groups == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert tas.torus == 2 and tas.ulysses_intra == 2 and tas.torus_ready
+    for x in range(8):
+        assert tas.rank_of(*tas.coords(x)) == x
+        t, _, _ = tas.coords(x)
+        assert topo.node_of(x) == topo.node_of(tas.rank_of(t, 0, 0))
+    usp = choose_mesh(topo, 8, "usp", 4)            # Ulysses inside an island
+    assert usp.ulysses_groups == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    # a CFG half of interleaved islands spans both islands evenly
+    half = subset_topology(topo, [0, 1, 2, 3])
+    assert (half.nodes, half.gpus_per_node, half.order) == (2, 2, (0, 2, 1, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# on 8 emulated ranks of one host: NVML's islands become the mesh, with no override
+# ---------------------------------------------------------------------------------------------
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _detect_on_rank(box: str, visible: str | None, H: int, names: tuple[str, ...]):
+    """Runs on every rank of one emulated host with a fake NVML: each strategy of ``names``
+    on the detected topology against the fp64 reference; the topology log lines."""
+    os.environ.pop(TOPOLOGY_ENV, None)
+    if visible:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if box == "absent":
+        sys.modules["pynvml"] = None  # import raises ImportError
+    else:
+        sys.modules["pynvml"] = {"pcie": fk.two_socket_pcie, "p2p-off": lambda: fk.two_socket_pcie(False),
+                                 "broken": lambda: fk.FakeNVML(8, None, fail="nvmlInit")}[box]()
+    lines = _Lines()
+    log = logging.getLogger("xfuser.swiftfusion")
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L, D = 64, 32
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    S = L // world
+    ref = rank_rows(q, k, v, rank, world)
+    rows = []
+    for name in names:
+        try:
+            ctx = sf.init_sequence_parallel(name, H, timeout_s=60)
+        except ValueError as exc:
+            rows.append((name, None, None, None, str(exc), None))
+            continue
+        try:
+            out = ctx.attention(*(x[:, :, rank * S:(rank + 1) * S] for x in (q, k, v)))
+            rows.append((name, ctx.strategy, ctx.topology, ctx.mesh.describe(), max_abs_err(out, ref),
+                         ctx.stats()["inter_node_bytes"]))
+        finally:
+            ctx.close()
+    log.removeHandler(lines)
+    return rows, [x for x in lines.lines if "topology" in x]
+
+
+def test_two_socket_host_builds_the_2x4_mesh_without_override():
+    out = run_emulated(_detect_on_rank, "1x8", "pcie", None, 8, ("torus", "swiftfusion"),
+                       timeout_s=300)
+    for rank, (per, lines) in enumerate(out):
+        for name, ran, topo, mesh, err, inter in per:
+            assert topo == Topology(2, 4), (rank, name, topo)
+            assert err <= 1e-5, (rank, name, err)
+            assert inter > 0, (rank, name)  # the islands count as machines
+            assert mesh.startswith("U8xR1 (torus 2"), mesh  # Ulysses across the sockets
+        assert len(lines) == (1 if rank == 0 else 0), lines  # said once, by rank 0
+    assert "topology 2x4 from the hardware: 8 GPUs on 1 host" in out[0][1][0]
+
+
+def test_interleaved_islands_are_mapped_and_exact():
+    out = run_emulated(_detect_on_rank, "1x8", "pcie", "0,4,1,5,2,6,3,7", 4,
+                       ("torus", "swiftfusion"), timeout_s=300)
+    for rank, (per, _) in enumerate(out):
+        for name, ran, topo, mesh, err, inter in per:
+            assert topo == Topology(2, 4, (0, 2, 4, 6, 1, 3, 5, 7)), (rank, name, topo)
+            assert err <= 1e-5, (rank, name, err)
+            # 4 heads on 8 GPUs: U4 x R2, torus across the 2 islands, ring pairs inside one
+            assert mesh == "U4xR2 (torus 2 x intra-Ulysses 2)" and ran == name
+
+
+@pytest.mark.parametrize("box", ["absent", "broken"])
+def test_without_nvml_the_host_is_one_machine(box):
+    out = run_emulated(_detect_on_rank, "1x4", box, None, 4, ("tas",), timeout_s=300)
+    for rank, (per, lines) in enumerate(out):
+        for name, ran, topo, mesh, err, inter in per:
+            assert topo == Topology(1, 4) and err <= 1e-5 and inter == 0
+        assert len(lines) == (1 if rank == 0 else 0), lines
+    assert out[0][1][0].startswith("topology from hostnames, not the hardware: rank 0: NVML")
+
+
+def test_nvml_failure_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", fk.FakeNVML(8, None, fail="nvmlInit"))
+    probe, why = hwtopo.local_probe()
+    assert probe is None and "NVML failed" in why and "NVML_ERROR_UNKNOWN" in why
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    probe, why = hwtopo.local_probe()
+    assert probe is None and "nvidia-ml-py" in why
