@@ -176,7 +176,8 @@ def _detect_on_rank(box: str, visible: str | None, H: int, names: tuple[str, ...
             continue
         try:
             out = ctx.attention(*(x[:, :, rank * S:(rank + 1) * S] for x in (q, k, v)))
-            rows.append((name, ctx.strategy, ctx.topology, ctx.mesh.describe(), max_abs_err(out, ref),
+            ran = ctx.strategy if name != "auto" else tuple(ctx._impl.choices.values())
+            rows.append((name, ran, ctx.topology, ctx.mesh.describe(), max_abs_err(out, ref),
                          ctx.stats()["inter_node_bytes"]))
         finally:
             ctx.close()
@@ -218,6 +219,25 @@ def test_without_nvml_the_host_is_one_machine(box):
     assert out[0][1][0].startswith("topology from hostnames, not the hardware: rank 0: NVML")
 
 
+def test_without_peer_to_peer_swiftfusion_is_refused_and_auto_skips_it():
+    out = run_emulated(_detect_on_rank, "1x8", "p2p-off", None, 8, ("swiftfusion", "torus"),
+                       timeout_s=300)
+    for rank, (per, _) in enumerate(out):
+        rows = {r[0]: r for r in per}
+        assert rows["swiftfusion"][2] is None and "peer-to-peer" in rows["swiftfusion"][4]
+        assert "use torus" in rows["swiftfusion"][4]
+        assert rows["torus"][1] == "torus" and rows["torus"][4] <= 1e-5
+    # auto's choice on that host: the same profile without peer-to-peer, no swiftfusion
+    from xfuser_swiftfusion.strategies.auto import choose
+    off = _host(fk.two_socket_pcie(p2p=False), 8)
+    q = torch.empty(1, 8, 4096, 64)
+    best, cands, _ = choose(Topology(2, 4), 8, q, detected=off, external=False)
+    assert best.strategy != "swiftfusion" and cands
+    assert all(c.strategy != "swiftfusion" for c in cands)
+    _, cands, _ = choose(Topology(2, 4), 8, q, detected=_host(fk.two_socket_pcie(), 8), external=False)
+    assert any(c.strategy == "swiftfusion" for c in cands)
+
+
 def test_nvml_failure_is_logged_once(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", fk.FakeNVML(8, None, fail="nvmlInit"))
     probe, why = hwtopo.local_probe()
@@ -225,3 +245,51 @@ def test_nvml_failure_is_logged_once(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     probe, why = hwtopo.local_probe()
     assert probe is None and "nvidia-ml-py" in why
+
+
+# ---------------------------------------------------------------------------------------------
+# one-box profiles: plan, auto's candidates, peer-to-peer
+# ---------------------------------------------------------------------------------------------
+
+def test_box_profiles_plan_islands_and_every_split(capsys):
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, host_topology
+    from xfuser_swiftfusion.tools import cli
+    for name in ("l40s-2s", "rtx4090-2s", "a100-pcie-2s", "h100-pcie-2s"):
+        prof = GPU_PROFILES[name]
+        assert "datasheet" in prof.source and prof.figures["labelled"] == "datasheet"
+        assert host_topology(1, 8, prof) == Topology(2, 4)
+        assert host_topology(1, 4, prof) == Topology(1, 4)
+        with pytest.raises(TopologyError, match="one host"):
+            host_topology(2, 8, prof)
+    p = cli.plan(1, 8, 24, 16384, 128, hardware="l40s-2s")
+    rec = p["recommended"]
+    assert rec["topology"] == "2x4" and rec["islands"] == 2
+    splits = {(c["strategy"], c["ulysses_degree"], c["ring_degree"]) for c in rec["candidates"]}
+    assert {("usp", u, 8 // u) for u in (1, 2, 4, 8)} <= splits          # usp at every split
+    assert {"tas", "torus", "swiftfusion"} <= {c[0] for c in splits}
+    assert p["torus"]["torus_degree"] == 2 and p["usp"]["refused"] is None
+    # GeForce: no peer-to-peer, swiftfusion refused and never a candidate
+    p = cli.plan(1, 8, 24, 16384, 128, hardware="rtx4090-2s")
+    assert p["swiftfusion"]["runs_as"] == "refused" and "peer-to-peer" in p["swiftfusion"]["refused"]
+    assert all(c["strategy"] != "swiftfusion" for c in p["recommended"]["candidates"])
+    assert p["recommended"]["strategy"] != "swiftfusion"
+    assert cli.main(["plan", "--hardware", "rtx4090-2s", "--nodes", "1", "--gpus-per-node", "8",
+                     "--heads", "24", "--seq-len", "16384", "--head-dim", "128"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("1 host of 8 GPUs in 2 islands (2x4")
+    assert "refused: swiftfusion needs GPU peer-to-peer" in text and "auto's candidates" in text
+
+
+def test_auto_profile_follows_the_detected_box(monkeypatch):
+    from xfuser_swiftfusion.strategies.auto import hardware_profile, hardware_profile_name
+    monkeypatch.delenv("SWIFTFUSION_HARDWARE", raising=False)
+    cuda = torch.device("cuda", 0)
+    l40s = _host(fk.two_socket_pcie(), 8)
+    assert hardware_profile_name(cuda, l40s) == "l40s-2s"
+    assert hardware_profile_name(torch.device("cpu"), l40s) == "cpu-emulated"
+    assert hardware_profile_name(cuda, _host(fk.nvswitch(), 8)) == "p4de"   # one island
+    off = _host(fk.two_socket_pcie(p2p=False), 8)
+    prof = hardware_profile(cuda, Topology(2, 4), off)
+    assert prof.name == "l40s-2s" and prof.p2p is False
+    monkeypatch.setenv("SWIFTFUSION_HARDWARE", "p5")
+    assert hardware_profile_name(cuda, l40s) == "p5"

@@ -72,6 +72,7 @@ class HostIslands:
     description: str
     p2p_off: list[tuple[int, int]]  # rank pairs of one host without CUDA peer-to-peer
     nvlink: bool
+    gpu_names: tuple[str, ...] = ()  # NVML's names of the ranks' GPUs, distinct, in rank order
 
 
 def _text(x: Any) -> str:
@@ -282,7 +283,8 @@ def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIs
     if not one_host and any(k > 1 for k in per_host):
         tail += "; across hosts the network is the slowest link: one machine per host"
     return HostIslands(machine_of, len(hosts), islands_per_host,
-                       f"{head}: " + " | ".join(lines) + tail, p2p_off, nvlink)
+                       f"{head}: " + " | ".join(lines) + tail, p2p_off, nvlink,
+                       tuple(dict.fromkeys(p.name for p in probes)))
 
 
 def _import_nvml():
@@ -317,8 +319,25 @@ _LAST: list[HostIslands] = []
 
 
 def last_detection() -> HostIslands | None:
-    """What the latest ``detect_islands`` in this process found (None: nothing yet)."""
+    """What the latest topology detection in this process found from the hardware (None:
+    nothing, or the latest detection did not read the hardware)."""
     return _LAST[-1] if _LAST else None
+
+
+def forget() -> None:
+    """A new topology detection starts: ``last_detection`` is None until it reads NVML."""
+    _LAST.clear()
+
+
+def p2p_refusal(found: HostIslands | None, strategy: str) -> str | None:
+    """Why the one-sided ``strategy`` cannot run on the detected host (None: it can)."""
+    if found is None or not found.p2p_off:
+        return None
+    a, b = found.p2p_off[0]
+    return (f"{strategy} needs GPU peer-to-peer inside a host (NVSHMEM over PCIe or NVLink), and "
+            f"NVML reports it off between the GPUs of ranks {a} and {b} ({len(found.p2p_off)} "
+            f"rank pairs in all; e.g. GeForce cards): use torus (the same schedule over NCCL) "
+            "or auto")
 
 
 def detect_islands(world_size: int, group=None, hostnames: Sequence[str] | None = None
@@ -342,5 +361,5 @@ def detect_islands(world_size: int, group=None, hostnames: Sequence[str] | None 
     return found
 
 
-__all__ = ["CLASSES", "GpuProbe", "HostIslands", "detect_islands", "host_islands", "islands",
-           "last_detection", "local_probe", "my_gpu", "probe"]
+__all__ = ["CLASSES", "GpuProbe", "HostIslands", "detect_islands", "forget", "host_islands",
+           "islands", "last_detection", "local_probe", "my_gpu", "p2p_refusal", "probe"]

@@ -139,6 +139,8 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
     fast-linked GPUs from NVML (``hwtopo.py``), ranks mapped to islands in any order; without
     NVML it stays one machine.
     """
+    from .hwtopo import forget
+    forget()
     source = "argument"
     topo: Topology | None = None
     if override is None and os.environ.get(TOPOLOGY_ENV):
