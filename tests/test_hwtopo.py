@@ -209,6 +209,26 @@ def test_interleaved_islands_are_mapped_and_exact():
             assert mesh == "U4xR2 (torus 2 x intra-Ulysses 2)" and ran == name
 
 
+def test_unevenly_interleaved_islands_run_swiftfusion_as_torus():
+    """Islands {0,1,4,5} and {2,3,6,7}: a ring of 4 is not evenly strided, which NVSHMEM's
+    teams need, so swiftfusion runs torus (same schedule, two-sided), exact."""
+    out = run_emulated(_detect_on_rank, "1x8", "pcie", "0,1,4,5,2,3,6,7", 2,
+                       ("swiftfusion",), timeout_s=300)
+    for per, _ in out:
+        ((name, ran, topo, mesh, err, inter),) = per
+        assert topo.order == (0, 1, 4, 5, 2, 3, 6, 7) and ran == "torus" and err <= 1e-5
+        assert mesh == "U2xR4 (torus 2 x intra-Ulysses 1)"
+
+
+def test_calibrate_peers_stay_in_and_cross_islands():
+    from xfuser_swiftfusion.tools.calibrate import peers
+    topo = Topology(2, 4, (0, 2, 4, 6, 1, 3, 5, 7))
+    assert peers(topo, 2) == {"intra": (4, 0), "inter": (3, 3)}
+    assert peers(topo, 7) == {"intra": (1, 5), "inter": (6, 6)}
+    assert peers(Topology(1, 4), 0) == {"intra": (1, 3)}
+    assert peers(Topology(3, 1), 0) == {"inter": (1, 2)}
+
+
 @pytest.mark.parametrize("box", ["absent", "broken"])
 def test_without_nvml_the_host_is_one_machine(box):
     out = run_emulated(_detect_on_rank, "1x4", box, None, 4, ("tas",), timeout_s=300)
@@ -293,3 +313,40 @@ def test_auto_profile_follows_the_detected_box(monkeypatch):
     assert prof.name == "l40s-2s" and prof.p2p is False
     monkeypatch.setenv("SWIFTFUSION_HARDWARE", "p5")
     assert hardware_profile_name(cuda, l40s) == "p5"
+
+
+def _calibrate_on_box(cfg):
+    """One rank of an emulated host of 4 GPUs on two sockets, interleaved (islands {0,2},
+    {1,3}), NVML faked: calibrate detects the islands and measures within and across them."""
+    from xfuser_swiftfusion.tools.calibrate import _rank_main
+    os.environ.pop(TOPOLOGY_ENV, None)
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0,4,1,5"
+    sys.modules["pynvml"] = fk.two_socket_pcie(p2p=False)
+    return _rank_main(cfg)
+
+
+def test_calibrate_on_one_box_measures_islands(tmp_path):
+    """The CPU stand-in of ``swiftfusion calibrate`` on one PCIe box: the islands from NVML
+    are the machines (intra: inside an island, inter: across), the profile records them and
+    the missing peer-to-peer, and plan cuts the host as the profile says."""
+    from xfuser_swiftfusion.hardware import KINDS, load_profile, save_profile
+    from xfuser_swiftfusion.tools import cli
+    from xfuser_swiftfusion.tools.calibrate import CalibrateConfig, build_profile, format_table
+    cfg = CalibrateConfig(head_dims=(64,), dtypes=("fp32",), reps=1, budget_s=30, quick=True)
+    raw = run_emulated(_calibrate_on_box, "1x4", cfg, timeout_s=300)[0]
+    assert raw["topology"] == "2x2" and raw["island_gpus"] == 2 and raw["p2p"] is False
+    assert "2 islands of 2" in raw["islands"]
+    prof = build_profile(raw, "box", "test")
+    for kind in KINDS:   # no one-sided communicator without peer-to-peer
+        assert set(raw["transfers"].get(kind, {})) == ({"intra", "inter"} if kind not in ("get", "put")
+                                                      else set())
+        assert prof.transfers[kind]["inter"].bw > 0
+    assert "one-sided get/put" in raw["skipped"][0]
+    assert "one host in islands (intra: inside one, inter: across): 4 GPUs on 1 host" in \
+        format_table(prof, raw, None)
+    path = tmp_path / "box.json"
+    save_profile(prof, path)
+    again = load_profile(path)
+    assert again.island_gpus == 2 and again.p2p is False
+    p = cli.plan(1, 4, 8, 4096, 64, dtype="fp32", hardware=str(path))
+    assert p["recommended"]["topology"] == "2x2" and p["swiftfusion"]["runs_as"] == "refused"
