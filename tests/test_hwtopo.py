@@ -275,8 +275,10 @@ def test_box_profiles_plan_islands_and_every_split(capsys):
     from xfuser_swiftfusion.cost_model import GPU_PROFILES, host_topology
     from xfuser_swiftfusion.tools import cli
     for name in ("l40s-2s", "rtx4090-2s", "a100-pcie-2s", "h100-pcie-2s"):
-        prof = GPU_PROFILES[name]
-        assert "datasheet" in prof.source and prof.figures["labelled"] == "datasheet"
+        sheet, prof = GPU_PROFILES[f"{name}-datasheet"], GPU_PROFILES[name]
+        assert "(datasheet)" in sheet.source and sheet.figures["labelled"] == "datasheet"
+        assert prof.figures["labelled"] == "datasheet links" and "this code on" in prof.source
+        assert prof.transfers == sheet.transfers and prof.p2p == sheet.p2p
         assert host_topology(1, 8, prof) == Topology(2, 4)
         assert host_topology(1, 4, prof) == Topology(1, 4)
         with pytest.raises(TopologyError, match="one host"):

@@ -8,7 +8,8 @@ GPU suite run, ``tools/gpu_costs.py``; p4de's A100 compute scaled from the H100'
 of host per call: the paper's regime, not this code's), ``cpu-emulated`` from
 ``cpu_profile.json`` (``scripts/calibrate_cpu.py``), and one-box profiles of PCIe GPUs cut into
 islands (``l40s-2s``, ``rtx4090-2s``, ``a100-pcie-2s``, ``h100-pcie-2s``: ``BOXES``, datasheet
-figures; an island is the mesh's machine, ``intra`` inside it, ``inter`` across islands).
+links, an island being the mesh's machine, ``intra`` inside it, ``inter`` across islands; with
+this code's measured GPU costs, kernel rates scaled to the box's GPU, and ``-datasheet`` twins).
 ``get_profile(name_or_path)`` loads any.
 
 Rates (docs/cost-model.md):
@@ -314,6 +315,27 @@ BOX_OF_GPU = {"L40S": "l40s-2s", "RTX 4090": "rtx4090-2s", "A100 80GB PCIe": "a1
               "A100-PCIE": "a100-pcie-2s", "H100 PCIe": "h100-pcie-2s"}
 
 
+def _box_measured(name: str, b: Box) -> HardwareProfile:
+    """A box's links (datasheet, ``_box``) with this code's costs measured on a GPU
+    (``gpu_costs.json``), kernel rates scaled by ``b.flash`` over the measured GPU's
+    FlashAttention rate (host costs, which the CPU pays, are not): the regime of the code today."""
+    sheet = _box(f"{name}-datasheet", b)
+    costs = gpu_costs()
+    run = costs["run"]
+    ref = next((g for g in MACHINES_FLASH if g in run["gpu"]), "H100")
+    f = b.flash / MACHINES_FLASH[ref]
+    prof = measured_gpu_profile(name, MACHINES["p5" if ref == "H100" else "p4de"], costs, scale=f)
+    figures = {**prof.figures, "transfers": sheet.figures["transfers"], "labelled": "datasheet links",
+               "attention": (f"scaled: measured on {run['gpu']} at {run['commit']} x {f:.3g} ({b.gpu} "
+                             f"{b.flash / 1e12:.0f} TFLOP/s, datasheet-derived, over "
+                             f"{FLASH_SOURCE[ref]} on {ref})")}
+    return replace(prof, transfers=sheet.transfers, inter_gpu_bw=b.nic, copy_bw=sheet.copy_bw,
+                   p2p=b.p2p, island_gpus=b.island_gpus, figures=figures,
+                   source=(f"links {b.source} (datasheet); compute and host: this code on "
+                           f"{run['gpu']} at commit {run['commit']} ({run['dir']}, {run['date']}), "
+                           f"kernel rates x {f:.3g} for the {b.gpu}"))
+
+
 def _box(name: str, b: Box) -> HardwareProfile:
     """A box's datasheet profile (``Box``): NCCL 15 us / NVSHMEM 3 us per message, 8 us of
     host per call, attention at ``b.flash`` (D=32 / 64 at 45 / 75 %)."""
@@ -455,7 +477,8 @@ GPU_PROFILES = _Profiles({
     **{name: functools.partial(_builtin, name) for name in MACHINES},
     **{f"{name}-datasheet": functools.partial(_datasheet, f"{name}-datasheet", m)
        for name, m in MACHINES.items()},
-    **{name: functools.partial(_box, name, b) for name, b in BOXES.items()},
+    **{name: functools.partial(_box_measured, name, b) for name, b in BOXES.items()},
+    **{f"{name}-datasheet": functools.partial(_box, f"{name}-datasheet", b) for name, b in BOXES.items()},
 })
 PROFILES = (*GPU_PROFILES, "cpu-emulated")
 
