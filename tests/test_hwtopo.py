@@ -352,3 +352,51 @@ def test_calibrate_on_one_box_measures_islands(tmp_path):
     assert again.island_gpus == 2 and again.p2p is False
     p = cli.plan(1, 4, 8, 4096, 64, dtype="fp32", hardware=str(path))
     assert p["recommended"]["topology"] == "2x2" and p["swiftfusion"]["runs_as"] == "refused"
+
+
+def _detected():
+    ctx = sf.init_sequence_parallel("tas", 8, timeout_s=60)
+    try:
+        return ctx.topology, os.environ.get(TOPOLOGY_ENV)
+    finally:
+        ctx.close()
+
+
+def test_emulated_host_of_islands_is_detected():
+    """``run_emulated(..., islands=True)``: one host whose sockets are the machines, found
+    from its emulated NVML with no override."""
+    for topo, env in run_emulated(_detected, "2x2", islands=True, timeout_s=120):
+        assert topo == Topology(2, 2) and env is None
+
+
+def _torus_over_the_socket_link():
+    from xfuser_swiftfusion.emulation.netns import current_network, qdisc_bytes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, L, D = 4, 4096, 32
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    S = L // world
+    ctx = sf.init_sequence_parallel("torus", H, timeout_s=60)
+    try:
+        dist.barrier()
+        before = sum(qdisc_bytes(current_network(), "out").values())
+        out = ctx.attention(*(x[:, :, rank * S:(rank + 1) * S] for x in (q, k, v)))
+        dist.barrier()
+        after = sum(qdisc_bytes(current_network(), "out").values())
+        inter = torch.tensor([ctx.stats()["inter_node_bytes"]])
+        dist.all_reduce(inter)
+        return ctx.topology, max_abs_err(out, rank_rows(q, k, v, rank, world)), after - before, int(inter)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.skipif(__import__("xfuser_swiftfusion.emulation.netns", fromlist=["x"])
+                    .netns_unavailable_reason() is not None, reason="no emulated network here")
+def test_emulated_islands_share_a_shaped_socket_link():
+    """Two islands of one emulated host, their link shaped by tc tbf: the islands are found
+    from NVML, torus is exact, and what it counts across islands is what crosses the link."""
+    from xfuser_swiftfusion.emulation.netns import LinkSpec
+    for topo, err, wire, inter in run_emulated(_torus_over_the_socket_link, "2x2", islands=True,
+                                               link=LinkSpec(400), timeout_s=120):
+        assert topo == Topology(2, 2) and err <= 1e-5 and inter > 0
+        assert inter <= wire <= 1.15 * inter, (wire, inter)   # headers and barriers add a little
