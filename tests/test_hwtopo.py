@@ -400,3 +400,16 @@ def test_emulated_islands_share_a_shaped_socket_link():
                                                link=LinkSpec(400), timeout_s=120):
         assert topo == Topology(2, 2) and err <= 1e-5 and inter > 0
         assert inter <= wire <= 1.15 * inter, (wire, inter)   # headers and barriers add a little
+
+
+def test_visible_islands(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fk.two_socket_pcie())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4,5")
+    found, why = hwtopo.visible_islands()
+    assert why is None and found.islands_per_host == 2 and "GPUs 2-3" in found.description
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setitem(sys.modules, "pynvml", fk.one_gpu())
+    found, why = hwtopo.visible_islands()
+    assert found.islands_per_host == 1 and found.machine_of == [0]
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert hwtopo.visible_islands()[0] is None

@@ -315,6 +315,27 @@ def local_probe() -> tuple[GpuProbe | None, str | None]:
         return None, f"NVML failed ({type(exc).__name__}: {exc})"
 
 
+def visible_islands() -> tuple[HostIslands | None, str | None]:
+    """``(islands, None)`` of every GPU this process sees, one stand-in rank per GPU (as
+    torchrun would start them), or ``(None, why not)``: what detection would find here
+    (the GPU suite's env stage)."""
+    try:
+        nvml = _import_nvml()
+        nvml.nvmlInit()
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        finally:
+            nvml.nvmlShutdown()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        n = len([e for e in visible.split(",") if e.strip()]) if visible else count
+        probes = [probe(nvml, None, lr, visible) for lr in range(n)]
+    except ImportError as exc:
+        return None, f"NVML is not available ({exc}; pip install nvidia-ml-py)"
+    except Exception as exc:  # noqa: BLE001  (NVMLError_*)
+        return None, f"NVML failed ({type(exc).__name__}: {exc})"
+    return host_islands([socket.gethostname()] * n, probes), None
+
+
 _LAST: list[HostIslands] = []
 
 
@@ -362,4 +383,5 @@ def detect_islands(world_size: int, group=None, hostnames: Sequence[str] | None 
 
 
 __all__ = ["CLASSES", "GpuProbe", "HostIslands", "detect_islands", "forget", "host_islands",
-           "islands", "last_detection", "local_probe", "my_gpu", "p2p_refusal", "probe"]
+           "islands", "last_detection", "local_probe", "my_gpu", "p2p_refusal", "probe",
+           "visible_islands"]
