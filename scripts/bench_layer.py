@@ -290,10 +290,12 @@ def split_name(s: str) -> tuple[str, int | None]:
     return name, int(deg) if deg else None
 
 
-def limits_table(rows: list[dict], link_mbit: float, gpus_per_machine: int) -> str:
+def limits_table(rows: list[dict], link_mbit: float, machines: int) -> str:
     """Per strategy: its latency beside its limit, ``max(compute, bytes one machine (island)
-    sends to the others / the link rate)``: what a perfect overlap of its own communication
-    with its own compute would take; and the speedup over ``usp`` at its default split."""
+    sends to the others / the link rate)`` (the counted bytes of all machines over
+    ``machines``: the strategies' traffic is the same from every machine): what a perfect
+    overlap of its own communication with its own compute would take; and the speedup over
+    ``usp`` at its default split."""
     from xfuser_swiftfusion.emulation.netns import LinkSpec
     rate = LinkSpec(link_mbit).bytes_per_s
     base = next(r["latency_s"] for r in rows if r["strategy"] == "usp")
@@ -301,7 +303,7 @@ def limits_table(rows: list[dict], link_mbit: float, gpus_per_machine: int) -> s
            "latency / limit | speedup vs usp |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["latency_s"]):
         W = r["world"]
-        link_s = r["inter_bytes"] * gpus_per_machine / rate
+        link_s = r["formula_total_bytes"] / machines / rate
         limit = max(r["compute_s"], link_s)
         out.append(f"| {r['strategy']} | {r['ran_as']} | U{r['ulysses']}xR{W // r['ulysses']} | "
                    f"{r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {link_s * 1e3:.1f} | "
@@ -584,7 +586,7 @@ def main() -> int:
         for topo_s in topos:
             print(f"\n{topo_s} as one host of islands, {a.link_mbit:g} Mbit/s between them:\n")
             print(limits_table([r for r in rows if r["topo"] == topo_s], a.link_mbit,
-                               Topology.parse(topo_s).gpus_per_node))
+                               Topology.parse(topo_s).nodes))
     if a.quick:
         bad = [r for r in rows if r["bytes_ok"] is False or r["err"] > (1e-5 if dtype == "fp32" else 3e-2)]
         if bad:
