@@ -200,7 +200,7 @@ def test_two_socket_host_builds_the_2x4_mesh_without_override():
 
 def test_interleaved_islands_are_mapped_and_exact():
     out = run_emulated(_detect_on_rank, "1x8", "pcie", "0,4,1,5,2,6,3,7", 4,
-                       ("torus", "swiftfusion"), timeout_s=300)
+                       ("tas", "torus", "swiftfusion"), timeout_s=300)
     for rank, (per, _) in enumerate(out):
         for name, ran, topo, mesh, err, inter in per:
             assert topo == Topology(2, 4, (0, 2, 4, 6, 1, 3, 5, 7)), (rank, name, topo)
@@ -413,3 +413,13 @@ def test_visible_islands(monkeypatch):
     assert found.islands_per_host == 1 and found.machine_of == [0]
     monkeypatch.setitem(sys.modules, "pynvml", None)
     assert hwtopo.visible_islands()[0] is None
+
+
+@pytest.mark.slow
+def test_interleaved_islands_under_xfusers_usp_and_auto():
+    """xFuser's USP on the island-aware groups of interleaved islands, and auto: exact."""
+    out = run_emulated(_detect_on_rank, "1x8", "pcie", "0,4,1,5,2,6,3,7", 4, ("usp", "auto"),
+                       timeout_s=600)
+    for per, _ in out:
+        for name, ran, topo, mesh, err, inter in per:
+            assert topo.order == (0, 2, 4, 6, 1, 3, 5, 7) and err <= 1e-5, (name, ran, err)
