@@ -58,6 +58,14 @@ def test_dgx1_hybrid_cube_mesh_is_one_island():
 def test_nvswitch_is_one_island():
     found = _host(fk.nvswitch(), 8)
     assert _islands(found) == [list(range(8))] and found.nvlink
+    # NVML names no far end of the links: NVLink peer-to-peer still says so
+    box = fk.nvswitch()
+    box.fail = "nvmlDeviceGetNvLinkRemotePciInfo"
+    assert _islands(_host(box, 8)) == [list(range(8))]
+    # no common PCIe ancestor reported: the pair counts as across sockets
+    box = fk.two_socket_pcie()
+    box.fail = "nvmlDeviceGetTopologyCommonAncestor"
+    assert _islands(_host(box, 2)) == [[0, 1]]
 
 
 def test_bridged_pairs():

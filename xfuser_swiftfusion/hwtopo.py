@@ -163,13 +163,19 @@ def probe(nvml, uuid: str | None = None, local_rank: int | None = None,
         for j, h in enumerate(handles):
             if j == me:
                 continue
-            nvlink = buses[j] in peers[me] or buses[me] in peers[j]
-            if not nvlink and switched[me] and switched[j]:
-                nvlink = _p2p(nvml, handles[me], h, P2P_NVLINK) is not False
+            # NVLink: a link's far end is the other GPU, or NVML reports NVLink peer-to-peer
+            # (NVSwitch, or a link whose far end NVML does not name); through NVSwitches
+            # where NVML cannot tell either way, NVLink
+            via = _p2p(nvml, handles[me], h, P2P_NVLINK)
+            nvlink = (buses[j] in peers[me] or buses[me] in peers[j] or via is True
+                      or (via is None and switched[me] and switched[j]))
             if nvlink:
                 cls = "nvlink"
             else:
-                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(handles[me], h))
+                try:
+                    level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(handles[me], h))
+                except nvml.NVMLError:
+                    level = 50  # unknown: the slowest class
                 cls = _ANCESTOR.get(level, "sys")
             out.links[buses[j]] = cls
             out.p2p[buses[j]] = bool(_p2p(nvml, handles[me], h, P2P_READ))

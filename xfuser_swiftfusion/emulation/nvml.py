@@ -82,6 +82,7 @@ class FakeNVML:
         return self.NVML_FEATURE_ENABLED
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        self._check("nvmlDeviceGetNvLinkRemotePciInfo")
         b = self.links[h[1]][link]
         return SimpleNamespace(busId=b.encode(), busIdLegacy=b[4:].encode())
 
