@@ -54,9 +54,17 @@ against ``counted_inter_node_elements`` on small shapes (CI).
 Output: the table on stdout; without ``--quick`` also ``<out>.json`` (command, commit, CPU and
 one row per point and strategy), the only stored result format (docs/benchmark-method.md).
 
+``--islands``: each NxM topology is one host whose N islands (sockets of M PCIe GPUs) the
+ranks find from an emulated NVML (``run_emulated(..., islands=True)``), the link between islands
+shaped as the machines' is; ``--usp-splits``: usp also at every other Ulysses x Ring split
+(``usp@U<d>``), each in a launch of its own (xFuser's state exists once per process), so those
+rows are not interleaved with the others; with both and ``--link-mbit``, a second table sets
+each strategy's latency beside its limit ``max(compute, bytes an island sends / link rate)``.
+
 Command (see BENCHMARKS.md): .venv/bin/python scripts/bench_layer.py [--quick]
   [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
-  [--reps 5] [--link-mbit 300] [--diffusers] [--out benchmarks/results/layer]
+  [--reps 5] [--link-mbit 300] [--diffusers] [--islands] [--usp-splits]
+  [--out benchmarks/results/layer]
 """
 from __future__ import annotations
 
@@ -275,6 +283,34 @@ def reference(q, k, v) -> torch.Tensor:
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
 
 
+def split_name(s: str) -> tuple[str, int | None]:
+    """``"usp@U2"`` -> ``("usp", 2)``: a strategy at a given Ulysses degree; plain names:
+    ``(s, None)``, the default degree."""
+    name, _, deg = s.partition("@U")
+    return name, int(deg) if deg else None
+
+
+def limits_table(rows: list[dict], link_mbit: float, machines: int) -> str:
+    """Per strategy: its latency beside its limit, ``max(compute, bytes one machine (island)
+    sends to the others / the link rate)`` (the counted bytes of all machines over
+    ``machines``: the strategies' traffic is the same from every machine): what a perfect
+    overlap of its own communication with its own compute would take; and the speedup over
+    ``usp`` at its default split."""
+    from xfuser_swiftfusion.emulation.netns import LinkSpec
+    rate = LinkSpec(link_mbit).bytes_per_s
+    base = next(r["latency_s"] for r in rows if r["strategy"] == "usp")
+    out = ["| strategy | ran as | U x R | latency ms | compute ms | link ms | limit ms | "
+           "latency / limit | speedup vs usp |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["latency_s"]):
+        W = r["world"]
+        link_s = r["formula_total_bytes"] / machines / rate
+        limit = max(r["compute_s"], link_s)
+        out.append(f"| {r['strategy']} | {r['ran_as']} | U{r['ulysses']}xR{W // r['ulysses']} | "
+                   f"{r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {link_s * 1e3:.1f} | "
+                   f"{limit * 1e3:.1f} | {r['latency_s'] / limit:.2f} | {base / r['latency_s']:.2f} |")
+    return "\n".join(out)
+
+
 def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
     """Every strategy's context for ``pt``'s heads (strategies on external groups first: xFuser's
     USP state exists once per process, at usp's default degrees; auto then may pick usp only at
@@ -283,12 +319,14 @@ def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
     x = torch.randn(1, pt["H"], 8, pt["D"]).to(DT[pt["dtype"]])
     ctxs = {}
     ours = [s for s in strategies if not s.startswith(DIFFUSERS)]
-    for s in sorted(ours, key=lambda s: not get(s).external_groups) + [
+    for s in sorted(ours, key=lambda s: not get(split_name(s)[0]).external_groups) + [
             s for s in strategies if s.startswith(DIFFUSERS)]:
         if s.startswith(DIFFUSERS):
             ctxs[s] = ctx = DiffusersLayer(s, pt["H"], Topology.parse(pt["topo"]))
         else:
-            ctxs[s] = ctx = sf.init_sequence_parallel(s, pt["H"], timeout_s=600)
+            name, ulysses = split_name(s)
+            ctxs[s] = ctx = sf.init_sequence_parallel(name, pt["H"], ulysses_degree=ulysses,
+                                                      timeout_s=600)
         for _ in range(2):
             ctx.attention(x, x, x)
     return ctxs
@@ -489,6 +527,12 @@ def main() -> int:
                          f"from swiftfusion calibrate; sets ${HARDWARE_ENV})")
     ap.add_argument("--out", default=None,
                     help="result path; .json is added (default: benchmarks/results/layer-<time>)")
+    ap.add_argument("--islands", action="store_true",
+                    help="each NxM topology is one host of N islands (sockets) of M GPUs, found "
+                         "from its emulated NVML; --link-mbit shapes the link between islands")
+    ap.add_argument("--usp-splits", action="store_true",
+                    help="also usp at every other Ulysses x Ring split (usp@U<d>), each in a "
+                         "launch of its own (xFuser's state exists once per process)")
     a = ap.parse_args()
     if a.hardware != "cpu-emulated":
         get_profile(a.hardware)  # a bad name or file fails here, not in the ranks
@@ -522,7 +566,15 @@ def main() -> int:
             rows_here = strategies + [DIFFUSERS + c for c in valid]
         load0 = os.getloadavg()
         res = run_emulated(_rank_main, topo, points, rows_here, a.reps, a.quick,
-                           timeout_s=7200, link=link)[0]
+                           timeout_s=7200, link=link, islands=a.islands)[0]
+        if a.usp_splits and "usp" in strategies:
+            import math as _m
+            g = _m.gcd(topo.world_size, heads)
+            for d in [d for d in range(1, g) if g % d == 0]:
+                res += run_emulated(_rank_main, topo, points, [f"usp@U{d}"], a.reps, a.quick,
+                                    timeout_s=7200, link=link, islands=a.islands)[0]
+        for r in res:
+            r["world"] = topo.world_size
         for r in res:  # other processes on the host: 1-min load average before / after
             r["loadavg_1m"] = [round(load0[0], 1), round(os.getloadavg()[0], 1)]
         _predict(res, topo, a.link_mbit, a.hardware)
@@ -530,6 +582,11 @@ def main() -> int:
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
     md = markdown(rows, a.quick)
     print(f"`{cmd}` ({time.time() - t0:.0f} s)\n\n{md}")
+    if a.islands and a.link_mbit and not a.quick:
+        for topo_s in topos:
+            print(f"\n{topo_s} as one host of islands, {a.link_mbit:g} Mbit/s between them:\n")
+            print(limits_table([r for r in rows if r["topo"] == topo_s], a.link_mbit,
+                               Topology.parse(topo_s).nodes))
     if a.quick:
         bad = [r for r in rows if r["bytes_ok"] is False or r["err"] > (1e-5 if dtype == "fp32" else 3e-2)]
         if bad:

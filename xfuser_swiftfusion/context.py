@@ -360,6 +360,11 @@ def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None 
             rank=rank, world_size=world, node_of=node_of, timeout_s=timeout_s, members=members)),
         options={"comm": comm, **(options or {})})
     runs = spec.resolve(mesh)
+    if runs.one_sided:
+        from .hwtopo import last_detection, p2p_refusal
+        why = p2p_refusal(last_detection(), runs.name)
+        if why:
+            raise ValueError(why)
     impl = runs.build(args) if heads == num_heads else build_padded(runs, args, heads)
     ctx = SequenceParallelContext(impl.spec.name, topo, mesh, sp_rank, num_heads, timeout_s, impl,
                                   members=tuple(members) if members is not None else None)

@@ -127,6 +127,29 @@ def inter_node_elements(strategy: str, topology: Topology, workload: Workload,
     return max(per_rank) / BYTES[w.dtype]
 
 
+def refused(spec: StrategySpec, profile: HardwareProfile) -> str | None:
+    """Why ``spec`` cannot run on ``profile``'s hardware (None: it can): the one-sided
+    strategy (NVSHMEM) needs GPU peer-to-peer inside a host."""
+    if spec.one_sided and not profile.p2p:
+        return (f"{spec.name} needs GPU peer-to-peer inside a host (NVSHMEM over PCIe or NVLink); "
+                f"profile {profile.name} has none (peer-to-peer off, e.g. GeForce cards)")
+    return None
+
+
+def host_topology(nodes: int, gpus_per_node: int, profile: HardwareProfile) -> Topology:
+    """The topology to plan ``nodes`` x ``gpus_per_node`` on ``profile``: a one-box profile
+    (``island_gpus``) cuts one host into its islands; else as given."""
+    i = profile.island_gpus
+    if not i:
+        return Topology(nodes, gpus_per_node)
+    if nodes != 1:
+        raise TopologyError(f"profile {profile.name} describes one host of {i}-GPU islands, not "
+                            f"{nodes} machines: use --nodes 1, or a cluster profile")
+    if gpus_per_node <= i or gpus_per_node % i:
+        return Topology(1, gpus_per_node)
+    return Topology(gpus_per_node // i, i)
+
+
 def ulysses_degrees(topology: Topology, heads: int) -> list[int]:
     """Ulysses degrees that divide ``gcd(N*M, H)`` (every one gives a valid mesh)."""
     g = math.gcd(topology.world_size, heads)
@@ -141,12 +164,14 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile,
     out = []
     for deg in ulysses_degrees(topology, workload.heads):
         for spec in modelled():
+            if refused(spec, profile):
+                continue
             mesh, runs, _ = _mesh(spec, topology, workload, deg, False)
             if runs.name == spec.name:
                 out.append(predict(spec.name, topology, workload, profile, deg))
     if pad_heads:
         for spec in modelled():
-            if spec.needs_torus:
+            if spec.needs_torus and not refused(spec, profile):
                 pr = predict(spec.name, topology, workload, profile, None, True)
                 if pr.padded and pr.runs_as == spec.name:
                     out.append(pr)
@@ -164,7 +189,8 @@ def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
     ``pad_heads``: Torus-schedule strategies on zero-padded heads are candidates too (the
     caller must then build a pick with ``heads`` > H padded, ``strategies/padded.py``).
     ``cands``: ``candidates(topology, workload, profile, pad_heads)`` where already at hand."""
-    specs = {s.name: s for s in modelled() if external or not s.external_groups}
+    specs = {s.name: s for s in modelled()
+             if (external or not s.external_groups) and not refused(s, profile)}
     if cands is None:
         cands = candidates(topology, workload, profile, pad_heads)
     cands = [p for p in cands if p.strategy in specs
@@ -203,5 +229,5 @@ def why_baseline(best: Prediction, cands: list[Prediction], profile: HardwarePro
 
 __all__ = ["BYTES", "CPU_PROFILE_PATH", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates", "cpu_profile",
-           "get_profile", "host_cpu", "inter_node_elements", "load_profile", "predict",
-           "programs", "recommend", "ulysses_degrees", "why_baseline"]
+           "get_profile", "host_cpu", "host_topology", "inter_node_elements", "load_profile", "predict",
+           "programs", "recommend", "refused", "ulysses_degrees", "why_baseline"]

@@ -6,7 +6,11 @@ datasheet links and what this code costs on a GPU, measured (``gpu_costs.json``:
 GPU suite run, ``tools/gpu_costs.py``; p4de's A100 compute scaled from the H100's), their
 ``-datasheet`` twins with every figure from datasheets (kernels at FlashAttention's rate, 8 us
 of host per call: the paper's regime, not this code's), ``cpu-emulated`` from
-``cpu_profile.json`` (``scripts/calibrate_cpu.py``). ``get_profile(name_or_path)`` loads any.
+``cpu_profile.json`` (``scripts/calibrate_cpu.py``), and one-box profiles of PCIe GPUs cut into
+islands (``l40s-2s``, ``rtx4090-2s``, ``a100-pcie-2s``, ``h100-pcie-2s``: ``BOXES``, datasheet
+links, an island being the mesh's machine, ``intra`` inside it, ``inter`` across islands; with
+this code's measured GPU costs, kernel rates scaled to the box's GPU, and ``-datasheet`` twins).
+``get_profile(name_or_path)`` loads any.
 
 Rates (docs/cost-model.md):
 
@@ -40,7 +44,10 @@ Rates (docs/cost-model.md):
 - ``launches``: the Torus strategies' attention launches its costs belong to (``"ring"``: one
   per ring step, as the CPU emulation and the committed GPU run make them; ``"stage"``: one
   per Torus stage and query entry, what those strategies make on CUDA): the programs the
-  timeline runs on it.
+  timeline runs on it;
+- ``p2p``: the GPUs of one host reach each other peer-to-peer (False: GeForce cards; the
+  one-sided strategy, NVSHMEM, is refused there); ``island_gpus``: a one-box profile's GPUs
+  per island (``plan`` on one host of ``M`` GPUs then plans ``M / island_gpus`` islands).
 
 File format (``format: swiftfusion-hardware/2``; ``/1`` files, without ``chunk_s``,
 ``merge_call_s``, ``baseline``, ``figures``, ``launches``, load with those at their defaults): the fields
@@ -112,6 +119,8 @@ class HardwareProfile:
     baseline: dict = field(default_factory=dict)
     figures: dict = field(default_factory=dict)
     launches: str = "ring"
+    p2p: bool = True                 # GPUs of one host reach each other peer-to-peer
+    island_gpus: int | None = None   # one box: GPUs per island (its "machine"); None: a cluster
 
     def rate(self, kind: str, locality: str, fanout: int | None = None) -> Rate:
         """The rate of ``kind`` at ``locality``; across machines with ``fanout`` 1 (the
@@ -149,6 +158,8 @@ class HardwareProfile:
             return f"calibrated on {m.get('device', '?')}, {m.get('date', '?')}"
         if m.get("cpu"):
             return f"measured on {m['cpu']}, {m.get('date', '?')}"
+        if self.island_gpus:
+            return f"datasheet rates, one box in islands of {self.island_gpus} GPUs"
         return "datasheet rates"
 
     def for_baseline(self) -> "HardwareProfile":
@@ -251,6 +262,98 @@ MACHINES = {
                         "8x H100 NVSwitch, NDR InfiniBand 400 Gbps per GPU (~48 GB/s)"),
 }
 FLASH_SOURCE = {"A100": "FlashAttention-2 ~200 TFLOP/s", "H100": "FlashAttention-3 ~600 TFLOP/s"}
+
+
+@dataclass(frozen=True)
+class Box:
+    """Datasheet figures of one host of PCIe GPUs cut into islands (``hwtopo.py``): ``gpus``
+    per host, ``island_gpus`` per island (the mesh's "machine"), ``intra`` bytes/s per GPU
+    and direction inside an island, ``link`` per island and direction to the other islands,
+    ``nic`` one GPU's share of it (its PCIe link), ``p2p`` whether the GPUs reach each other
+    peer-to-peer (GeForce cards: no), ``flash`` attention FLOP/s (bf16, D=128)."""
+
+    gpu: str
+    gpus: int
+    island_gpus: int
+    intra: float
+    link: float
+    nic: float
+    flash: float
+    hbm: float
+    p2p: bool
+    source: str
+
+
+# PCIe 4.0 x16: 64 GB/s both ways (L40S, A100 PCIe datasheets), ~25 GB/s per direction
+# delivered; PCIe 5.0 x16 (H100 PCIe): 128 GB/s both ways, ~50 delivered. The socket link
+# (UPI / xGMI) is what GPU peer traffic gets across sockets: an estimate, not a datasheet
+# figure. Attention at 60 % of the dense bf16 tensor peak (FlashAttention-2 on A100: 200 of
+# 312 TFLOP/s).
+_PCIE4, _PCIE5, _FA = 25e9, 50e9, 200 / 312
+BOXES = {
+    "l40s-2s": Box("L40S", 8, 4, _PCIE4, 40e9, _PCIE4, 362e12 * _FA, 864e9, True,
+                   "8x L40S PCIe 4.0 x16 (64 GB/s both ways: ~25 GB/s per direction), 4 per "
+                   "socket behind PCIe switches, no NVLink; socket link ~40 GB/s per direction "
+                   "(estimate); bf16 dense 362 TFLOP/s"),
+    "rtx4090-2s": Box("RTX 4090", 8, 4, 12.5e9, 25e9, 12.5e9, 165e12 * _FA, 1008e9, False,
+                      "8x RTX 4090 PCIe 4.0 x16, 4 per socket, no NVLink and no peer-to-peer "
+                      "(GeForce driver): every copy through host memory, ~12.5 GB/s per GPU "
+                      "(estimate); socket link ~25 GB/s (estimate); bf16 dense 165 TFLOP/s"),
+    "a100-pcie-2s": Box("A100", 8, 4, _PCIE4, 40e9, _PCIE4, 200e12, 1.935e12, True,
+                        "8x A100 80GB PCIe, NVLink bridges on pairs (600 GB/s both ways, not "
+                        "modelled apart: an island's all-to-all crosses PCIe 4.0, ~25 GB/s per "
+                        "direction), 4 per socket; socket link ~40 GB/s (estimate); "
+                        "FlashAttention-2 ~200 TFLOP/s"),
+    "h100-pcie-2s": Box("H100 PCIe", 8, 4, _PCIE5, 64e9, _PCIE5, 756e12 * _FA, 2.0e12, True,
+                        "8x H100 PCIe, NVLink bridges on pairs (600 GB/s both ways, not "
+                        "modelled apart: an island's all-to-all crosses PCIe 5.0, ~50 GB/s per "
+                        "direction), 4 per socket; socket link ~64 GB/s (estimate); bf16 dense "
+                        "756 TFLOP/s"),
+}
+# NVML's device names -> the box profile (hwtopo's detection picks it for auto)
+BOX_OF_GPU = {"L40S": "l40s-2s", "RTX 4090": "rtx4090-2s", "A100 80GB PCIe": "a100-pcie-2s",
+              "A100-PCIE": "a100-pcie-2s", "H100 PCIe": "h100-pcie-2s"}
+
+
+def _box_measured(name: str, b: Box) -> HardwareProfile:
+    """A box's links (datasheet, ``_box``) with this code's costs measured on a GPU
+    (``gpu_costs.json``), kernel rates scaled by ``b.flash`` over the measured GPU's
+    FlashAttention rate (host costs, which the CPU pays, are not): the regime of the code today."""
+    sheet = _box(f"{name}-datasheet", b)
+    costs = gpu_costs()
+    run = costs["run"]
+    ref = next((g for g in MACHINES_FLASH if g in run["gpu"]), "H100")
+    f = b.flash / MACHINES_FLASH[ref]
+    prof = measured_gpu_profile(name, MACHINES["p5" if ref == "H100" else "p4de"], costs, scale=f)
+    figures = {**prof.figures, "transfers": sheet.figures["transfers"], "labelled": "datasheet links",
+               "attention": (f"scaled: measured on {run['gpu']} at {run['commit']} x {f:.3g} ({b.gpu} "
+                             f"{b.flash / 1e12:.0f} TFLOP/s, datasheet-derived, over "
+                             f"{FLASH_SOURCE[ref]} on {ref})")}
+    return replace(prof, transfers=sheet.transfers, inter_gpu_bw=b.nic, copy_bw=sheet.copy_bw,
+                   p2p=b.p2p, island_gpus=b.island_gpus, figures=figures,
+                   source=(f"links {b.source} (datasheet); compute and host: this code on "
+                           f"{run['gpu']} at commit {run['commit']} ({run['dir']}, {run['date']}), "
+                           f"kernel rates x {f:.3g} for the {b.gpu}"))
+
+
+def _box(name: str, b: Box) -> HardwareProfile:
+    """A box's datasheet profile (``Box``): NCCL 15 us / NVSHMEM 3 us per message, 8 us of
+    host per call, attention at ``b.flash`` (D=32 / 64 at 45 / 75 %)."""
+    eff = {32: 0.45, 64: 0.75, 128: 1.0, 256: 1.0}
+    attention = {dt: {D: ((1024, 1024, b.flash * e / (16 if dt == "fp32" else 1)),)
+                      for D, e in eff.items()} for dt in ("bf16", "fp32")}
+    two = {"intra": Rate(b.intra, 15e-6), "inter": Rate(b.link, 15e-6)}
+    one = {"intra": Rate(b.intra, 3e-6), "inter": Rate(b.link, 3e-6)}
+    how = f"datasheet: {b.source}"
+    return HardwareProfile(
+        name=name, attention=attention, attention_bh=16, attend_call_s=8e-6, transfer_call_s=8e-6,
+        merge_s_per_elem=0.0, copy_bw=b.hbm / 2,
+        transfers={"exchange": two, "all_to_all": two, "all_gather": two, "get": one, "put": one},
+        barrier_s=20e-6, sync_s=10e-6, host_cores=None, host_waits=False, two_sided_fifo=True,
+        inter_gpu_bw=b.nic, one_sided_depth=STREAMS_PER_QUEUE, p2p=b.p2p, island_gpus=b.island_gpus,
+        source=f"{b.source} (datasheet)",
+        figures={"transfers": how, "attention": f"datasheet: {b.gpu} at {b.flash / 1e12:.0f} TFLOP/s",
+                 "labelled": "datasheet"})
 FP32_SCALE = 19.5 / 312  # A100 datasheet: FP32 19.5 TFLOP/s against BF16 tensor cores 312
 
 
@@ -374,6 +477,8 @@ GPU_PROFILES = _Profiles({
     **{name: functools.partial(_builtin, name) for name in MACHINES},
     **{f"{name}-datasheet": functools.partial(_datasheet, f"{name}-datasheet", m)
        for name, m in MACHINES.items()},
+    **{name: functools.partial(_box_measured, name, b) for name, b in BOXES.items()},
+    **{f"{name}-datasheet": functools.partial(_box, f"{name}-datasheet", b) for name, b in BOXES.items()},
 })
 PROFILES = (*GPU_PROFILES, "cpu-emulated")
 
@@ -494,6 +599,6 @@ def _cached_file(path: str, mtime_ns: int) -> HardwareProfile:
     return load_profile(path)
 
 
-__all__ = ["CPU_PROFILE_PATH", "FANOUT_1", "FORMAT", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
+__all__ = ["BOXES", "BOX_OF_GPU", "Box", "CPU_PROFILE_PATH", "FANOUT_1", "FORMAT", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Rate", "cpu_profile", "get_profile", "host_cpu", "is_path",
            "load_profile", "save_profile"]

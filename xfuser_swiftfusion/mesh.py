@@ -6,10 +6,11 @@ Notation (paper / DESIGN.md): ``N`` machines with ``M`` GPUs each, ``H`` heads,
 group is further split into ``T`` machines (torus degree) x ``U`` GPUs per machine,
 so a GPU is ``x = (t, u, r)``.
 
-Placements (global ranks are node-major: rank ``i`` lives on machine ``i // M``):
+Placements, over the topology's machine-major slots (slot ``i`` on machine ``i // M``; the
+slot is the global rank when ranks are node-major, else ``Topology.rank_at`` maps it):
 - ``usp`` (xFuser / yunchang ``use_ulysses_low=True``): Ulysses groups are contiguous
-  blocks of ``P_u`` ranks, Ring groups are strided by ``P_u``.
-- ``tas`` (SwiftFusion): Ring groups are contiguous blocks of ``P_r`` ranks (inside a
+  blocks of ``P_u`` slots, Ring groups are strided by ``P_u``.
+- ``tas`` (SwiftFusion): Ring groups are contiguous blocks of ``P_r`` slots (inside a
   machine when ``P_r | M``), Ulysses groups are strided by ``P_r`` (across machines).
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Mesh:
 
     ``ulysses`` = P_u, ``ring`` = P_r, ``torus`` = T (machines a Ulysses group spans),
     ``ulysses_intra`` = U (Ulysses peers on the same machine). Coordinates:
-    ``usp``: rank = r * P_u + g;  ``tas``: rank = g * P_r + r;  with g = t * U + u.
+    ``usp``: slot = r * P_u + g;  ``tas``: slot = g * P_r + r;  with g = t * U + u (rank =
+    ``topology.rank_at(slot)``).
     """
 
     topology: Topology
@@ -51,13 +53,16 @@ class Mesh:
         return self.topology.world_size
 
     def rank_of_g(self, g: int, r: int) -> int:
-        """Global rank of Ulysses index ``g`` (= t*U+u) and ring rank ``r``."""
-        return r * self.ulysses + g if self.placement == "usp" else g * self.ring + r
+        """Global rank of Ulysses index ``g`` (= t*U+u) and ring rank ``r``: the rank at the
+        topology's machine-major slot ``r * P_u + g`` (usp) or ``g * P_r + r`` (tas)."""
+        slot = r * self.ulysses + g if self.placement == "usp" else g * self.ring + r
+        return self.topology.rank_at(slot)
 
     def g_r_of(self, rank: int) -> tuple[int, int]:
+        slot = self.topology.slot_of(rank)
         if self.placement == "usp":
-            return rank % self.ulysses, rank // self.ulysses
-        return rank // self.ring, rank % self.ring
+            return slot % self.ulysses, slot // self.ulysses
+        return slot // self.ring, slot % self.ring
 
     @cached_property
     def ulysses_groups(self) -> list[tuple[int, ...]]:

@@ -353,8 +353,10 @@ def _run(g: _Graph, caps: dict) -> list[float]:
 
 def machine_period(programs: list[list[Op]], topology: Topology) -> int:
     """The fewest machines k (dividing N) such that rank x + k*M runs rank x's program with
-    every peer k machines further on (N: no symmetry)."""
+    every peer k machines further on (N: no symmetry, or ranks not node-major)."""
     N = topology.nodes
+    if topology.order is not None:
+        return N
     return next(k for k in range(1, N + 1) if N % k == 0 and (k == N or _shifts(programs, topology, k)))
 
 

@@ -1,10 +1,15 @@
 """Machines x GPUs of a sequence-parallel group: parsing, detection from the launcher.
 
 Global ranks are node-major (torchrun's default): rank ``i`` lives on machine ``i // M``
-(``N`` machines with ``M`` GPUs each).
+(``N`` machines with ``M`` GPUs each), unless the topology carries an ``order``: the ranks
+listed machine by machine (machine ``j`` holds ``order[j*M:(j+1)*M]``), as when the "machines"
+are islands of GPUs inside one host (``hwtopo.py``) whose ranks are not contiguous. A mesh
+places its coordinates on machine-major *slots* ``0..N*M-1``; ``rank_at(slot)`` is the rank
+there (``slot`` itself without an ``order``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -22,14 +27,38 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class Topology:
-    """``nodes`` machines x ``gpus_per_node`` GPUs, ranks node-major."""
+    """``nodes`` machines x ``gpus_per_node`` GPUs; ranks node-major, or machine by machine
+    as ``order`` lists them (a permutation of ``0..N*M-1``; the identity is stored as None)."""
 
     nodes: int
     gpus_per_node: int
+    order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise TopologyError(f"topology needs at least 1 machine and 1 GPU, got {self}")
+        if self.order is not None:
+            order = tuple(int(x) for x in self.order)
+            if sorted(order) != list(range(self.nodes * self.gpus_per_node)):
+                raise TopologyError(
+                    f"rank order {order} of topology {self.nodes}x{self.gpus_per_node} must list "
+                    f"every rank 0..{self.nodes * self.gpus_per_node - 1} once")
+            object.__setattr__(self, "order", None if order == tuple(range(len(order))) else order)
+
+    @classmethod
+    def from_machines(cls, machine_of: Sequence[int]) -> "Topology":
+        """The topology whose rank ``i`` lives on machine ``machine_of[i]`` (any labels; machines
+        numbered by their lowest rank, ranks inside one in rank order). Every machine needs
+        the same number of ranks."""
+        machines: dict[int, list[int]] = {}
+        for rank, m in enumerate(machine_of):
+            machines.setdefault(m, []).append(rank)
+        sizes = {len(v) for v in machines.values()}
+        if not machines or len(sizes) != 1:
+            found = ", ".join(f"{len(v)} ranks ({v})" for v in machines.values())
+            raise TopologyError(f"unequal GPUs per machine ({found}); every machine needs the same "
+                                "number of ranks")
+        return cls(len(machines), sizes.pop(), tuple(x for v in machines.values() for x in v))
 
     @classmethod
     def parse(cls, text: str) -> "Topology":
@@ -44,7 +73,28 @@ class Topology:
         return self.nodes * self.gpus_per_node
 
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return self.slot_of(rank) // self.gpus_per_node
+
+    def rank_at(self, slot: int) -> int:
+        """The rank at machine-major position ``slot`` (machine ``slot // M``)."""
+        return slot if self.order is None else self.order[slot]
+
+    def slot_of(self, rank: int) -> int:
+        """``rank_at``'s inverse."""
+        return rank if self.order is None else self._slots[rank]
+
+    @property
+    def _slots(self) -> dict[int, int]:
+        slots = self.__dict__.get("_slot_map")
+        if slots is None:
+            slots = {x: i for i, x in enumerate(self.order or ())}
+            object.__setattr__(self, "_slot_map", slots)
+        return slots
+
+    def machines(self) -> list[tuple[int, ...]]:
+        """Each machine's ranks, machines in order."""
+        M = self.gpus_per_node
+        return [tuple(self.rank_at(j * M + i) for i in range(M)) for j in range(self.nodes)]
 
     def __str__(self) -> str:
         return f"{self.nodes}x{self.gpus_per_node}"
@@ -85,7 +135,12 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
 
     Order of precedence: ``override`` argument, ``$SWIFTFUSION_TOPOLOGY``, hostnames gathered
     over ``group`` (when torch.distributed is initialised), ``$LOCAL_WORLD_SIZE``, one machine.
+    One host of several ranks (and no ``$LOCAL_WORLD_SIZE`` split) is cut into its islands of
+    fast-linked GPUs from NVML (``hwtopo.py``), ranks mapped to islands in any order; without
+    NVML it stays one machine.
     """
+    from .hwtopo import forget
+    forget()
     source = "argument"
     topo: Topology | None = None
     if override is None and os.environ.get(TOPOLOGY_ENV):
@@ -95,10 +150,13 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
     elif dist.is_available() and dist.is_initialized():
         names: list[str | None] = [None] * world_size
         dist.all_gather_object(names, socket.gethostname(), group=group)
-        topo, source = topology_from_hostnames([str(n) for n in names]), "hostnames"
+        hosts = [str(n) for n in names]
+        topo, source = topology_from_hostnames(hosts), "hostnames"
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         if topo.nodes == 1 and 0 < local < world_size and world_size % local == 0:
             topo, source = Topology(world_size // local, local), "$LOCAL_WORLD_SIZE"
+        elif topo.nodes == 1 and world_size > 1:
+            topo, source = _hardware_topology(world_size, group, hosts, topo)
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
         topo, source = Topology(max(1, world_size // local), min(local, world_size)), "$LOCAL_WORLD_SIZE"
@@ -109,31 +167,44 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
     return topo
 
 
+def _hardware_topology(world_size: int, group, hosts: list[str],
+                       fallback: Topology) -> tuple[Topology, str]:
+    """One host's islands from NVML (``hwtopo.py``; collective) as machines, else
+    ``fallback``; what was detected and why is logged once."""
+    from .hwtopo import detect_islands
+    from .log import get_logger, log_once
+    found = detect_islands(world_size, group, hosts)
+    if found is None:
+        return fallback, "hostnames"
+    topo = Topology.from_machines(found.machine_of)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log_once(get_logger(__name__), f"hwtopo-{found.description}",
+                 f"topology {topo} from the hardware: {found.description}", logging.INFO)
+    return topo, "hardware (NVML)"
+
+
 def subset_topology(topology: Topology, ranks: Sequence[int]) -> Topology:
     """Machines x GPUs of the group ``ranks`` (global ranks of ``topology``, in group order).
 
-    The group must be node-major (each machine's members contiguous in ``ranks``) with the
-    same number of members on every machine it spans; group index ``i`` then lives on the
-    group's machine ``i // M'`` (``M'``: its GPUs per machine), which is ``topology``'s machine
-    ``topology.node_of(ranks[i])``.
+    The group needs the same number of members on every machine it spans. Group index ``i``
+    lives on the group's machine of ``topology.node_of(ranks[i])`` (machines numbered by
+    their first member); where those members are not contiguous in group order the result
+    carries the ``order`` that lists them machine by machine.
     """
     ranks = list(ranks)
     if not ranks or len(set(ranks)) != len(ranks) or not all(
             0 <= x < topology.world_size for x in ranks):
         raise TopologyError(f"group {tuple(ranks)} must hold distinct ranks of topology "
                             f"{topology} (0..{topology.world_size - 1})")
-    blocks: list[list[int]] = []  # [machine, members] in group order
-    for x in ranks:
-        if blocks and blocks[-1][0] == topology.node_of(x):
-            blocks[-1][1] += 1
-        else:
-            blocks.append([topology.node_of(x), 1])
-    machines = [m for m, _ in blocks]
-    if len(set(machines)) != len(machines) or len({n for _, n in blocks}) != 1:
-        found = ", ".join(f"machine {m}: {n}" for m, n in blocks)
+    machine_of = [topology.node_of(x) for x in ranks]
+    counts: dict[int, int] = {}
+    for m in machine_of:
+        counts[m] = counts.get(m, 0) + 1
+    if len(set(counts.values())) != 1:
+        found = ", ".join(f"machine {m}: {n}" for m, n in counts.items())
         raise TopologyError(
             f"the group of ranks {tuple(ranks)} does not span whole machines evenly on topology "
-            f"{topology} ({found} in group order); a group needs the same number of ranks on "
-            f"each of its machines, contiguous: use a group size that is a multiple or a divisor "
-            f"of the {topology.gpus_per_node} GPUs per machine")
-    return Topology(len(blocks), blocks[0][1])
+            f"{topology} ({found}); a group needs the same number of ranks on each of its "
+            f"machines: use a group size that is a multiple or a divisor of the "
+            f"{topology.gpus_per_node} GPUs per machine")
+    return Topology.from_machines(machine_of)

@@ -67,7 +67,7 @@ def free_port() -> int:
 
 def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
            conn, threads: int, env: dict[str, str], pg_timeout_s: float,
-           net: Network | None = None) -> None:
+           net: Network | None = None, islands: bool = False) -> None:
     # A fresh process group per child; parent signal handlers must not run here.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.update(env)
@@ -78,6 +78,13 @@ def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         TOPOLOGY_ENV: f"{topo.nodes}x{topo.gpus_per_node}",
     })
+    if islands:  # one host: the machines are its islands, found from its (emulated) NVML
+        import sys
+        from .nvml import two_socket_pcie
+        del os.environ[TOPOLOGY_ENV]
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(topo.world_size)})
+        sys.modules["pynvml"] = two_socket_pcie(sockets=topo.nodes, per_socket=topo.gpus_per_node)
     torch.set_num_threads(threads)
     status: tuple[str, Any]
     try:
@@ -104,11 +111,16 @@ def _child(rank: int, topo: Topology, port: int, fn: Callable, args: tuple,
 
 def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
                  timeout_s: float = 120.0, threads_per_rank: int | None = None,
-                 env: dict[str, str] | None = None, link: LinkSpec | None = None) -> list[Any]:
+                 env: dict[str, str] | None = None, link: LinkSpec | None = None,
+                 islands: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on an emulated ``NxM`` cluster; return per-rank results.
 
     ``link``: give every machine its own network namespace joined by a real link of
     ``link.rate_mbit`` each way (``netns.py``; needs root). Default: all ranks on loopback.
+    ``islands``: the ``N`` machines are islands of one host instead (``N`` sockets of ``M``
+    PCIe GPUs, ``nvml.two_socket_pcie``): no topology override, one ``LOCAL_WORLD_SIZE``, and
+    every rank's ``pynvml`` the emulated host's, so detection finds the islands from the
+    hardware (``hwtopo.py``); with ``link`` the inter-island link is shaped as above.
 
     Raises ``EmulationError`` naming every failed rank (with its traceback) if any rank
     raises, dies or does not finish within ``timeout_s``.
@@ -131,7 +143,7 @@ def run_emulated(fn: Callable, topology: str | Topology, *args: Any,
         for rank in range(world):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, args=(rank, topo, port, fn, args, child_conn,
-                                                 threads_per_rank, env, pg_timeout, net),
+                                                 threads_per_rank, env, pg_timeout, net, islands),
                             daemon=True)
             p.start()
             child_conn.close()

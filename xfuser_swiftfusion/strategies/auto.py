@@ -9,7 +9,9 @@ shared between signatures that pick the same (strategy, degree).
 
 Hardware profile: ``$SWIFTFUSION_HARDWARE``, a built-in profile's name or a profile file that
 ``swiftfusion calibrate`` measured on this cluster; unset: ``cpu-emulated`` on CPU tensors,
-``p4de`` on CUDA (datasheet links, this code's measured GPU costs). The model never predicts
+on CUDA the one-box profile of the GPUs where one host was cut into islands from NVML
+(``l40s-2s``...), else ``p4de`` (datasheet links, this code's measured GPU costs). Where NVML
+reports GPU peer-to-peer off, the one-sided strategy is no candidate. The model never predicts
 the choice slower than default ``usp``; where it picks ``usp``, rank 0 says why once per
 profile and topology (``cost_model.why_baseline``).
 """
@@ -22,7 +24,8 @@ from dataclasses import replace
 import torch
 
 from ..cost_model import Workload, candidates, get_profile, recommend, why_baseline
-from ..hardware import HARDWARE_ENV
+from ..hardware import BOX_OF_GPU, HARDWARE_ENV, HardwareProfile
+from ..hwtopo import HostIslands, last_detection
 from ..log import get_logger, log_once
 from ..mesh import Mesh, choose_mesh
 from ..topology import Topology
@@ -35,24 +38,46 @@ logger = get_logger(__name__)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def hardware_profile_name(device: torch.device) -> str:
+def hardware_profile_name(device: torch.device, detected: HostIslands | None = None) -> str:
     """``$SWIFTFUSION_HARDWARE`` (a profile name or file), else ``cpu-emulated`` for CPU
-    tensors and ``p4de`` for GPU ones."""
-    return os.environ.get(HARDWARE_ENV) or ("cpu-emulated" if device.type == "cpu" else "p4de")
+    tensors; for GPU ones the one-box profile of the detected GPUs (``detected``: one host cut
+    into islands, ``hwtopo.py``; ``BOX_OF_GPU``) where there is one, else ``p4de``."""
+    if os.environ.get(HARDWARE_ENV):
+        return os.environ[HARDWARE_ENV]
+    if device.type == "cpu":
+        return "cpu-emulated"
+    if detected is not None and detected.hosts == 1 and detected.islands_per_host > 1:
+        box = {BOX_OF_GPU[k] for n in detected.gpu_names for k in BOX_OF_GPU if k in n}
+        if len(box) == 1:
+            return box.pop()
+    return "p4de"
+
+
+def hardware_profile(device: torch.device, topology: Topology,
+                     detected: HostIslands | None = None) -> HardwareProfile:
+    """The profile ``auto`` plans on (``hardware_profile_name``), without GPU peer-to-peer
+    where the detection found it off (the one-sided strategy is then no candidate)."""
+    profile = get_profile(hardware_profile_name(device, detected), topology)
+    if detected is not None and detected.p2p_off and profile.p2p:
+        profile = replace(profile, p2p=False)
+    return profile
 
 
 def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
-           external: bool = True, pad_heads: bool = True):
+           external: bool = True, pad_heads: bool = True, detected: HostIslands | None = None):
     """The model's pick for local queries ``q`` [B, H, S_local, D] (pure: same on every rank);
     text tokens are not modelled (they add the same replicated work to every strategy).
     ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use;
-    ``external=False``: no strategy on xFuser's groups at all."""
+    ``external=False``: no strategy on xFuser's groups at all; ``detected``: the host's
+    islands read from NVML at init (``hwtopo.last_detection``)."""
     B, _, S, D = q.shape
     dtype = DTYPES.get(q.dtype, "fp32")
     w = Workload(B, S * topology.world_size, num_heads, D, dtype)
-    profile = get_profile(hardware_profile_name(q.device), topology)
-    return (recommend(topology, w, profile, usp_ulysses, external, pad_heads),
-            candidates(topology, w, profile, pad_heads), profile.name)
+    # the model depends on machines x GPUs only, not on which ranks an island holds
+    plain = Topology(topology.nodes, topology.gpus_per_node)
+    profile = hardware_profile(q.device, plain, detected)
+    return (recommend(plain, w, profile, usp_ulysses, external, pad_heads),
+            candidates(plain, w, profile, pad_heads), profile.name)
 
 
 class AutoAttention:
@@ -66,6 +91,8 @@ class AutoAttention:
     children get every option (``fp8_comms`` included; the cost model prices compute-dtype
     transfers)."""
 
+    detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
+
     def __init__(self, args: BuildArgs) -> None:
         self.args = args
         self.topology, self.num_heads, self.rank = args.mesh.topology, args.num_heads, args.rank
@@ -74,6 +101,7 @@ class AutoAttention:
         self._children: dict[tuple[str, int, int], Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
         self.meshes: dict[tuple[str, int, int], Mesh] = {}  # (strategy, ulysses, heads) -> mesh
+        self.detected = last_detection()
 
     def _external_ulysses(self) -> int | None:
         """The only Ulysses degree a strategy on external groups can run now: the option
@@ -116,7 +144,8 @@ class AutoAttention:
             best, cands, profile = choose(self.topology, self.num_heads, q,
                                           self._external_ulysses(),
                                           self.args.options.get("external", True) and not masked,
-                                          self.args.options.get("pad_heads", True))
+                                          self.args.options.get("pad_heads", True),
+                                          self.detected)
             key = (best.strategy, best.ulysses)
             child = self._by_signature[sig] = self._child(*key, best.heads)
             self.choices[sig] = key
@@ -128,7 +157,7 @@ class AutoAttention:
                          f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
                          f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
                          f"({profile} profile); predicted per layer: {alts}", logging.INFO)
-                why = why_baseline(best, cands, get_profile(hardware_profile_name(q.device), self.topology))
+                why = why_baseline(best, cands, hardware_profile(q.device, self.topology, self.detected))
                 if why:
                     log_once(logger, f"auto-why-{profile}-{self.topology}",
                              f"auto (why {best.strategy}): {why}")

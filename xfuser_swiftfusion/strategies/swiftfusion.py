@@ -304,6 +304,12 @@ def _nvshmem_missing_anywhere() -> list[int]:
     return [r for r, m in enumerate(missing) if m]
 
 
+def _strided(ranks: tuple[int, ...]) -> bool:
+    """Whether ``ranks`` (sorted) are evenly strided, as ``team_split_strided`` needs."""
+    r = sorted(ranks)
+    return len(r) < 2 or r == [r[0] + i * (r[1] - r[0]) for i in range(len(r))]
+
+
 def build_swiftfusion(a: BuildArgs) -> TorusAttention:
     """The Torus schedule over the one-sided communicator; on GPUs where nvshmem4py is missing
     on some rank (and no backend was named), the two-sided ``torus`` instead, logged once."""
@@ -316,6 +322,14 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
                      "major, [cu12] or [cu13], which brings nvshmem4py and cuda-core >= 0.5; "
                      "docs/install.md); running 'torus' (two-sided) instead")
             return get("torus").build(a)
+    uneven = [grp for sp in a.groups.all_sp_groups for grp in
+              (tuple(sp[x] for x in g) for g in a.groups.ring_groups) if not _strided(grp)]
+    if uneven:
+        log_once(logger, f"fallback-swiftfusion-strides-{uneven[0]}",
+                 f"swiftfusion: NVSHMEM teams need evenly strided ranks, but ring group "
+                 f"{uneven[0]} (global ranks) is not (islands whose ranks interleave unevenly); "
+                 "running 'torus' (two-sided) instead")
+        return get("torus").build(a)
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
     io = OneSidedTorusIO(a.groups, one, a.rank, fp8.enabled(a.options))

@@ -5,7 +5,8 @@ the project's communicators; or ``--emulate NxM [--link-mbit R]`` on forked CPU 
 figure the median over ``reps`` repetitions of the slowest rank's time:
 
 - transfers, each kind the strategies use (``ops.KINDS``) within a machine and across
-  machines: the grouped exchange (``TwoSided.exchange``), xFuser's collectives
+  machines (on one host cut into islands from NVML, ``hwtopo.py``: within an island and
+  across islands; the profile then records its ``island_gpus`` and peer-to-peer): the grouped exchange (``TwoSided.exchange``), xFuser's collectives
   (``all_to_all_single``, ``all_gather_into_tensor``), one-sided ``get`` and ``put``
   (``OneSided``): every rank sends to the next rank of its machine / to its peer on the next
   machine and receives from the previous one; a tiny message gives the latency, a large one
@@ -89,6 +90,9 @@ class Raw:
     one_sided_depth: int = 1
     skipped: list = field(default_factory=list)
     elapsed_s: float = 0.0
+    island_gpus: int | None = None      # one host cut into islands from NVML: GPUs per island
+    p2p: bool = True                    # NVML: GPU peer-to-peer on between every pair of a host
+    islands: str = ""                   # what NVML found (hwtopo's description)
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -137,48 +141,64 @@ class _Clock:
 
 # --- transfers -----------------------------------------------------------------------------
 
+def peers(topo: Topology, rank: int) -> dict[str, tuple[int, int]]:
+    """``rank``'s (next, previous) peer within its machine (``"intra"``; an island of one host
+    where the topology came from the hardware) and on the next / previous machine at its
+    own position (``"inter"``), where there is one."""
+    M, N = topo.gpus_per_node, topo.nodes
+    t, i = divmod(topo.slot_of(rank), M)
+    at = lambda m, j: topo.rank_at((m % N) * M + j % M)  # noqa: E731
+    out = {}
+    if M > 1:
+        out["intra"] = (at(t, i + 1), at(t, i - 1))
+    if N > 1:
+        out["inter"] = (at(t + 1, i), at(t - 1, i))
+    return out
+
+
 class _Transfers:
     """Every transfer kind within / across machines on this rank (module docstring)."""
 
-    def __init__(self, topo: Topology, device: torch.device, clock: _Clock, cfg: CalibrateConfig) -> None:
+    def __init__(self, topo: Topology, device: torch.device, clock: _Clock, cfg: CalibrateConfig,
+                 one_sided: bool = True) -> None:
         from ..comm import make_one_sided, make_two_sided
         self.topo, self.device, self.clock, self.cfg = topo, device, clock, cfg
         rank, W, M, N = dist.get_rank(), topo.world_size, topo.gpus_per_node, topo.nodes
         self.rank = rank
-        t, i = divmod(rank, M)
+        t, i = divmod(topo.slot_of(rank), M)   # machine (or island) t, its i-th rank
+        machines = topo.machines()
         node_of = [topo.node_of(x) for x in range(W)]
-        self.peers = {}
-        if M > 1:
-            self.peers["intra"] = (t * M + (i + 1) % M, t * M + (i - 1) % M)
-        if N > 1:
-            self.peers["inter"] = (((t + 1) % N) * M + i, ((t - 1) % N) * M + i)
+        self.peers = peers(topo, rank)
         # collective groups: each machine's ranks, each local index across machines
         self.groups = {}
         for m in range(N):
-            g = dist.new_group(list(range(m * M, (m + 1) * M)))
+            g = dist.new_group(sorted(machines[m]))
             if m == t:
                 self.groups["intra"] = g
         for j in range(M):
-            g = dist.new_group(list(range(j, W, M)))
+            g = dist.new_group(sorted(machines[m][j] for m in range(N)))
             if j == i:
                 self.groups["inter"] = g
         # with 3+ machines, collectives over every rank of two machines (2m, 2m + 1), the
         # shape of a Ulysses group spanning two (an odd machine out idles)
         self.pairs = N >= 3
         for m in range(N // 2 if self.pairs else 0):
-            g = dist.new_group(list(range(2 * m * M, (2 * m + 2) * M)))
+            g = dist.new_group(sorted(machines[2 * m] + machines[2 * m + 1]))
             if t // 2 == m:
                 self.groups[FANOUT_1] = g
         self.two = make_two_sided(rank=rank, world_size=W, node_of=node_of, timeout_s=cfg.timeout_s)
-        self.one = make_one_sided(cfg.comm, rank=rank, world_size=W, node_of=node_of,
-                                  timeout_s=cfg.timeout_s)
-        self.machine = tuple(range(t * M, (t + 1) * M))
-        self.one.prepare_groups([tuple(range(m * M, (m + 1) * M)) for m in range(N)])
+        self.machine = machines[t]
+        self.one = None  # without GPU peer-to-peer there is no one-sided communicator
+        if one_sided:
+            self.one = make_one_sided(cfg.comm, rank=rank, world_size=W, node_of=node_of,
+                                      timeout_s=cfg.timeout_s)
+            self.one.prepare_groups(machines)
         self.shared_host = device.type == "cpu"
 
     def close(self) -> None:
-        self.one.barrier_all(what="calibrate end")
-        self.one.close()
+        if self.one is not None:
+            self.one.barrier_all(what="calibrate end")
+            self.one.close()
         self.two.close()
 
     # a transfer of n elements (fp32 on CPU, bf16 on GPU: the sizes layers move), per kind
@@ -244,13 +264,13 @@ class _Transfers:
         other machines, back to back; the first done by ~half the time: one (FIFO), later:
         two (they share the link). Needs 3 machines; else 1."""
         N, M = self.topo.nodes, self.topo.gpus_per_node
-        if N < 3:
+        if N < 3 or self.one is None:
             return 1
-        t, i = divmod(self.rank, M)
+        t, i = divmod(self.topo.slot_of(self.rank), M)
         n = 1 << (14 if self.cfg.quick else 20)
         buf = self.one.symmetric_empty((3, n), torch.float32)
         buf.zero_()
-        peers = [((t + k) % N) * M + i for k in (1, 2)]
+        peers = [self.topo.rank_at(((t + k) % N) * M + i) for k in (1, 2)]
         ratios = []
         for _ in range(self.clock.reps):
             self.one.barrier_all(what="calibrate depth")
@@ -281,6 +301,9 @@ class _Transfers:
         return max(t - tiny, 0.0) / 15
 
     def barriers(self) -> tuple[float, float]:
+        if self.one is None:  # two-sided barriers stand in (no one-sided strategy runs here)
+            b, _ = self.clock.time(dist.barrier, self.clock.reps * 2)
+            return b, b
         b, _ = self.clock.time(lambda: self.one.barrier_all(what="calibrate"), self.clock.reps * 2)
         s, _ = self.clock.time(lambda: self.one.sync(self.machine, what="calibrate"), self.clock.reps * 2)
         return b, s
@@ -373,14 +396,23 @@ def _rank_main(cfg: CalibrateConfig) -> dict | None:
     clock = _Clock(device, cfg.reps, cfg.budget_s)
     raw = Raw(str(topo), torch.cuda.get_device_name(device) if device.type == "cuda" else host_cpu(),
               device.type, dist.get_backend(), topo.world_size, len(os.sched_getaffinity(0)))
-    tr = _Transfers(topo, device, clock, cfg)
+    from ..hwtopo import last_detection
+    found = last_detection()
+    if found is not None:
+        raw.islands, raw.p2p = found.description, not found.p2p_off
+        if found.hosts == 1 and found.islands_per_host > 1:
+            raw.island_gpus = topo.gpus_per_node
+    tr = _Transfers(topo, device, clock, cfg, one_sided=raw.p2p)
+    if not raw.p2p:
+        raw.skipped.append("one-sided get/put (no GPU peer-to-peer: swiftfusion is refused here)")
     try:
         for loc in LOCALITIES:
             if loc not in tr.peers:
                 raw.skipped.append(f"{loc}-machine transfers (no such peer on {topo})")
                 continue
             for kind in KINDS:
-                raw.transfers.setdefault(kind, {})[loc] = tr.measure(kind, loc)
+                if tr.one is not None or kind not in ("get", "put"):
+                    raw.transfers.setdefault(kind, {})[loc] = tr.measure(kind, loc)
         if tr.pairs:  # every rank alike: the measurements are collective
             for kind in COLLECTIVES:
                 raw.transfers[kind][FANOUT_1] = tr.measure(kind, FANOUT_1)
@@ -437,7 +469,9 @@ def build_profile(raw: dict, name: str, command: str, link_mbit: float | None = 
         copy_bw=raw["copy_bw"] * per_core, host_cores=cores, host_waits=cpu,
         two_sided_fifo="nccl" in raw["backend"], inter_gpu_bw=None,
         one_sided_depth=raw.get("one_sided_depth", 1),
-        source=f"swiftfusion calibrate on {raw['topology']} {raw['device']}",
+        p2p=raw.get("p2p", True), island_gpus=raw.get("island_gpus"),
+        source=f"swiftfusion calibrate on {raw['topology']} {raw['device']}"
+               + (f" (one host in islands: {raw['islands']})" if raw.get("island_gpus") else ""),
         measured={"command": command, "topology": raw["topology"], "device": raw["device"],
                   "backend": raw["backend"], "host": socket.gethostname(), "torch": torch.__version__,
                   "date": time.strftime("%Y-%m-%d %H:%M:%S"), "link_mbit": link_mbit,
@@ -484,6 +518,8 @@ def format_table(prof: HardwareProfile, raw: dict, link_mbit: float | None) -> s
     if raw["skipped"]:
         lines.append(f"not measured: {'; '.join(raw['skipped'][:4])}"
                      + (f" and {len(raw['skipped']) - 4} more" if len(raw["skipped"]) > 4 else ""))
+    if raw.get("island_gpus"):
+        lines.append(f"one host in islands (intra: inside one, inter: across): {raw['islands']}")
     lines.append(f"{raw['elapsed_s']:.0f} s on {raw['topology']} ({raw['device']}, {raw['backend']})")
     return "\n".join(lines)
 
@@ -565,4 +601,4 @@ def cmd_calibrate(args) -> int:
 
 
 __all__ = ["CalibrateConfig", "add_arguments", "build_profile", "cmd_calibrate", "format_table",
-           "parse_workload"]
+           "parse_workload", "peers"]

@@ -43,10 +43,11 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     attention layer on ``hardware`` (a built-in profile's name or a profile file), with the
     slowest rank's GPU compute and host issue time beside it; ``"recommended"``: the
     (strategy, degrees) ``auto`` would pick, and where that is the baseline, why."""
-    from ..cost_model import Workload, candidates, get_profile, predict, recommend, why_baseline
-    topo = Topology(nodes, gpus_per_node)
+    from ..cost_model import (Workload, candidates, get_profile, host_topology, predict, recommend,
+                              refused, why_baseline)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
-    profile = get_profile(hardware, topo)
+    profile = get_profile(hardware, Topology(nodes, gpus_per_node))
+    topo = host_topology(nodes, gpus_per_node, profile)  # one box: its islands are the machines
     out = {}
     for spec in modelled():
         name = spec.name
@@ -55,11 +56,12 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
         runs = spec.resolve(mesh, log=False)
         per_rank = counted_inter_node_elements(mesh, batch, seq_len, h, head_dim, runs.ring)
         paper = paper_inter_node_elements_per_machine(
-            spec.placement, nodes, gpus_per_node, mesh.ulysses,
-            batch, seq_len, h, head_dim) / gpus_per_node
+            spec.placement, topo.nodes, topo.gpus_per_node, mesh.ulysses,
+            batch, seq_len, h, head_dim) / topo.gpus_per_node
         pred = predict(name, topo, work, profile, pad_heads=pad_heads)
+        why_not = refused(spec, profile)
         out[name] = {
-            "runs_as": runs.name, "heads": h,
+            "runs_as": "refused" if why_not else runs.name, "heads": h, "refused": why_not,
             "ulysses_degree": mesh.ulysses, "ring_degree": mesh.ring,
             "torus_degree": mesh.torus, "ulysses_intra_degree": mesh.ulysses_intra,
             "inter_node_bytes_per_gpu": sum(per_rank) * BYTES[dtype] // len(per_rank),
@@ -73,22 +75,32 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
                           "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
                           "hardware": profile.name, "costs": profile.origin(),
-                          "why": why_baseline(best, cands, profile)}
+                          "why": why_baseline(best, cands, profile), "topology": str(topo),
+                          "islands": topo.nodes if profile.island_gpus else None,
+                          "candidates": [{"strategy": c.strategy, "ulysses_degree": c.ulysses,
+                                          "ring_degree": c.ring, "heads": c.heads,
+                                          "predicted_latency_s": c.latency_s}
+                                         for c in sorted(cands, key=lambda c: c.latency_s)]}
     return out
 
 
 def _print_plan(p: dict[str, dict], args) -> None:
     rec = p["recommended"]
-    print(f"{args.nodes} machines x {args.gpus_per_node} GPUs, H={args.heads} L={args.seq_len} "
+    where = (f"1 host of {args.gpus_per_node} GPUs in {rec['islands']} islands "
+             f"({rec['topology']}: islands x GPUs, the islands' links as inter-machine)"
+             if rec["islands"] else f"{args.nodes} machines x {args.gpus_per_node} GPUs")
+    print(f"{where}, H={args.heads} L={args.seq_len} "
           f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and the "
           f"predicted time per layer on profile {rec['hardware']} ({rec['costs']}); GPU: the "
           "slowest rank's compute, host: its time to issue the layer's calls")
     print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} "
           f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13} {'GPU ms':>8} "
           f"{'host ms':>8}")
-    padded = []
+    padded, refusals = [], []
     for name, r in p.items():
         if name != "recommended":
+            if r.get("refused"):
+                refusals.append(r["refused"])
             heads = str(args.heads) if r["heads"] == args.heads else f"{args.heads}->{r['heads']}"
             if r["heads"] != args.heads:
                 padded.append(f"{name} ({args.heads}->{r['heads']})")
@@ -97,6 +109,12 @@ def _print_plan(p: dict[str, dict], args) -> None:
                   f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
                   f"{r['predicted_latency_s'] * 1e3:>13.3f} {r['predicted_gpu_s'] * 1e3:>8.3f} "
                   f"{r['predicted_host_s'] * 1e3:>8.3f}")
+    for why in refusals:
+        print(f"refused: {why}")
+    if rec["islands"]:
+        splits = ", ".join(f"{c['strategy']} U{c['ulysses_degree']}xR{c['ring_degree']} "
+                           f"{c['predicted_latency_s'] * 1e3:.3f}" for c in rec["candidates"])
+        print(f"auto's candidates, fastest first (ms per layer): {splits}")
     print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
           f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer (a prediction)")
     if rec["why"]:

@@ -19,7 +19,8 @@ from .report import RowWriter
 
 PACKAGES = ("torch", "triton", "numpy", "xfuser", "yunchang", "diffusers", "transformers",
             "nvshmem4py-cu13", "nvidia-nvshmem-cu13", "cuda-core", "cuda-bindings",
-            "cuda-pathfinder", "nvidia-cudnn-cu13", "flash-attn", "xfuser-swiftfusion")
+            "cuda-pathfinder", "nvidia-cudnn-cu13", "flash-attn", "nvidia-ml-py",
+            "xfuser-swiftfusion")
 
 
 def versions() -> dict[str, str]:
@@ -62,6 +63,10 @@ def env(w: RowWriter, device: torch.device) -> None:
           f"{torch.version.cuda}", name=p.name, sm=f"{p.major}{p.minor}",
           sms=p.multi_processor_count, memory=p.total_memory, count=torch.cuda.device_count(),
           cuda=torch.version.cuda, driver=_driver())
+    from ...hwtopo import visible_islands
+    found, why = visible_islands()  # what topology detection reads from NVML on this host
+    w.add("islands", "INFO", why or found.description, islands=found and found.islands_per_host,
+          error=why)
 
 
 def _origin(module: str) -> str:
