@@ -295,7 +295,9 @@ def _unwired_tas_rank() -> list:
         try:
             for _ in range(3):
                 ctx.attention(q, q, q)
-            time.sleep(0.5)  # the watchdog polls the works issued while capturing
+            deadline = time.monotonic() + 20  # the watchdog polls the works issued while capturing
+            while ctx._comms[0].failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
         except Exception as exc:  # noqa: BLE001  (the finding)
             raised = f"{type(exc).__name__}: {exc}"
         violations, failure = list(cc.STATS.violations), ctx._comms[0].failure
