@@ -4,12 +4,14 @@ emulated 2x2, 4x1 and 2x4, for plain self-attention, a replicated text prefix an
 unsupported calls run SGLang's path and are counted."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from support import sglang_env
 
-_reason = sglang_env.sglang()
+_reason = sglang_env.absent()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
@@ -105,10 +107,25 @@ def _reference(name, kv, text, where, rank, world):
     return reference.rank_rows(q, k, v, rank, world, joint, where or "front").transpose(1, 2)
 
 
-@pytest.mark.parametrize("topology", ["2x2", "4x1", "2x4"])
-def test_wrapped_uspattention_exact(topology):
+TOPOLOGIES = ("2x2", "4x1", "2x4")
+
+
+def emulate(topology: str):
+    """Every rank's results on ``topology`` (runs in the SGLang child process)."""
+    return run_emulated(_rank, topology, STRATEGIES, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """All topologies in one child process that imports SGLang (the pytest process does not)."""
+    results = sglang_env.in_child([(Path(__file__).stem, "emulate", (t,)) for t in TOPOLOGIES])
+    return dict(zip(TOPOLOGIES, results))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_wrapped_uspattention_exact(runs, topology):
     world = int(topology[0]) * int(topology[2])
-    per_rank = run_emulated(_rank, topology, STRATEGIES, timeout_s=240)
+    per_rank = runs[topology]
     for rank, (results, stats) in enumerate(per_rank):
         for name, kv, text, where in CASES:
             ref = _reference(name, kv, text, where, rank, world)

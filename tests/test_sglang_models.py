@@ -3,12 +3,14 @@ forward across 4 emulated ranks (2 machines x 2) equals the one-rank forward and
 over the same ranks, with 0 fallbacks (every attention call of the model runs on the strategy)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from support import sglang_env
 
-_reason = sglang_env.sglang()
+_reason = sglang_env.absent()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
@@ -79,10 +81,22 @@ def _rank(family: str, strategy: str | None):
     return outs, stats, seq_dim
 
 
+def emulate(family: str):
+    """One rank's forward and 2x2's (runs in the SGLang child process)."""
+    return (run_emulated(_rank, "1x1", family, None, timeout_s=120),
+            run_emulated(_rank, "2x2", family, "swiftfusion", timeout_s=240))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every family in one child process that imports SGLang (the pytest process does not)."""
+    return dict(zip(FAMILIES, sglang_env.in_child([(Path(__file__).stem, "emulate", (f,))
+                                                    for f in FAMILIES])))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_sglang_model_on_swiftfusion(family):
-    (one, _, _), = run_emulated(_rank, "1x1", family, None, timeout_s=120)
-    per_rank = run_emulated(_rank, "2x2", family, "swiftfusion", timeout_s=240)
+def test_sglang_model_on_swiftfusion(runs, family):
+    ((one, _, _),), per_rank = runs[family]
     seq_dim = per_rank[0][2]
     ref = one["sglang"]
     for who in ("sglang", "swiftfusion"):

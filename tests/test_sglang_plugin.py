@@ -15,7 +15,7 @@ import pytest
 
 from support import sglang_env
 
-_reason = sglang_env.sglang()
+_reason = sglang_env.absent()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 

@@ -9,8 +9,10 @@ that chain import: where no working torchvision is importable it puts an inert s
 ``sys.meta_path`` whose names raise ``ImportError`` when used. Tests only: nothing a user
 installs changes, and a working torchvision is always preferred.
 
-``sglang()`` returns the reason SGLang cannot be used here (None when it can), so test modules
-skip with one line.
+The pytest process never imports SGLang (its import patches transformers process-wide, and it
+puts the stand-in above on ``sys.meta_path``): ``absent()`` only looks for the package, so test
+modules skip with one line, and ``in_child(jobs)`` runs test functions in one fresh interpreter
+that imports SGLang (``sglang()``) and returns their results.
 """
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import pickle
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 _STUB = "torchvision"
 _reason: list = []  # memo: [None] or [reason]
@@ -106,3 +111,42 @@ def sglang() -> str | None:
     except Exception as exc:  # a partial install: name the missing piece
         _reason.append(f"sglang's diffusion runtime does not import: {type(exc).__name__}: {exc}")
     return _reason[0]
+
+
+def absent() -> str | None:
+    """The one-line skip reason when SGLang is not installed (None: it is). Imports nothing."""
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (scripts/install_sglang_cpu.sh)"
+    return None
+
+
+def in_child(jobs: list[tuple[str, str, tuple]], timeout_s: float = 900.0) -> list:
+    """Run ``module.function(*args)`` for each ``(module, function, args)`` of ``jobs`` (test
+    modules and functions under tests/) in one fresh interpreter with SGLang imported; return
+    their results in order. A job that raises fails the call with the child's traceback."""
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "support.sglang_env"], cwd=tests,
+                          input=pickle.dumps(jobs), capture_output=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"SGLang child process failed (exit {done.returncode}):\n"
+                           f"{done.stderr.decode(errors='replace')[-6000:]}")
+    return pickle.loads(done.stdout)
+
+
+def _child_main() -> None:
+    jobs = pickle.loads(sys.stdin.buffer.read())
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # prints of the jobs must not corrupt the pickled results
+    reason = sglang()
+    if reason is not None:
+        raise SystemExit(reason)
+    results = []
+    for module, function, args in jobs:
+        results.append(getattr(importlib.import_module(module), function)(*args))
+    out.write(pickle.dumps(results))
+    out.flush()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    _child_main()
