@@ -93,3 +93,46 @@ def test_unknown_strategy_is_an_error():
     with pytest.raises(ValueError, match="SWIFTFUSION_STRATEGY"):
         config.parse_strategy("ulyses")
     assert config.parse_strategy("usp") is None and config.parse_strategy(None) is None
+
+
+def test_calls_our_strategies_do_not_take_are_named():
+    """Each argument or layer property outside our strategies' contract names its reason; the
+    plain call and the replicated prefix/suffix are taken."""
+    import inspect
+    from types import SimpleNamespace
+
+    import torch
+
+    from xfuser_swiftfusion.integrations.sglang import calls
+
+    def forward(self, q, k, v, attn_mask=None, num_replicated_prefix=0, num_replicated_suffix=0,
+                num_replicated_kv_prefix=0, skip_sequence_parallel_override=False,
+                attn_mask_meta=None, qkv_pre_all_to_all=False, seq_lens=None, q_prefix=None,
+                k_prefix=None, v_prefix=None):
+        """The signature of SGLang 0.5.23's USPAttention.forward."""
+
+    sig = inspect.signature(forward)
+    layer = SimpleNamespace(skip_sequence_parallel=False, causal=False, dropout_p=0.0,
+                            backend=SimpleNamespace(is_sparse=False, name="FA"))
+    q = torch.zeros(1, 4, 2, 8)
+    plain = dict(q=q, k=q, v=q)
+    why = lambda lay=layer, **kw: calls.unsupported(calls.bind(sig, (lay,), {**plain, **kw}))  # noqa: E731
+    assert why() is None
+    assert why(num_replicated_prefix=2) is None and why(num_replicated_suffix=2) is None
+    assert why(attn_mask=torch.ones(1, 4, dtype=torch.bool)) == "attention mask"
+    assert why(attn_mask_meta={"pad_start": 3}) == "attention mask metadata (varlen / tail pad)"
+    assert why(num_replicated_kv_prefix=3) == "replicated K/V prefix"
+    assert why(seq_lens=[4]) == "packed variable-length sequences (seq_lens)"
+    assert why(qkv_pre_all_to_all=True) == "q/k/v already exchanged (qkv_pre_all_to_all)"
+    assert why(skip_sequence_parallel_override=True) == "skip_sequence_parallel_override"
+    assert why(num_replicated_prefix=1, num_replicated_suffix=1) == \
+        "replicated prefix and suffix in one call"
+    assert why(k=torch.zeros(1, 6, 2, 8), v=torch.zeros(1, 6, 2, 8)) == \
+        "q and k/v of different lengths (cross-attention)"
+    for name, value, reason in (("causal", True, "causal attention"),
+                                ("skip_sequence_parallel", True,
+                                 "skip_sequence_parallel layer (replicated K/V)"),
+                                ("dropout_p", 0.1, "attention dropout")):
+        assert why(SimpleNamespace(**{**vars(layer), name: value})) == reason
+    sparse = SimpleNamespace(**{**vars(layer), "backend": SimpleNamespace(is_sparse=True, name="VSA")})
+    assert why(sparse) == "sparse attention backend VSA"
