@@ -115,11 +115,47 @@ def emulate(topology: str):
     return run_emulated(_rank, topology, STRATEGIES, timeout_s=240)
 
 
+def _cfg_rank(strategy: str):
+    """SGLang's CFG parallelism: two halves of the world, each its own SP group (one machine of
+    2x4 each); each half attends over its own inputs."""
+    from sglang.multimodal_gen.runtime.distributed import parallel_state as ps
+    from xfuser_swiftfusion.integrations import sglang as sfs
+    sglang_ranks.setup(cfg=2)
+    group = ps.get_sp_group()
+    r, w = group.rank_in_group, group.world_size
+    image, _ = _inputs(w, H, 0, seed=dist.get_rank() // w)
+    q, k, v = (x[:, r * S:(r + 1) * S] for x in image)
+    layer = _layers()[H]
+    sfs.install(strategy)
+    try:
+        with sglang_ranks.forward_context():
+            out = layer(q, k, v)
+        stats = {h: (c.calls, c.stats()["fallbacks"], str(c.topology)) for h, c in sfs.active().items()}
+    finally:
+        sfs.uninstall()
+    sglang_ranks.teardown()
+    return out, stats, r, w
+
+
+def emulate_cfg():
+    return run_emulated(_cfg_rank, "2x4", "torus", timeout_s=240)
+
+
 @pytest.fixture(scope="module")
 def runs():
     """All topologies in one child process that imports SGLang (the pytest process does not)."""
-    results = sglang_env.in_child([(Path(__file__).stem, "emulate", (t,)) for t in TOPOLOGIES])
-    return dict(zip(TOPOLOGIES, results))
+    jobs = [(Path(__file__).stem, "emulate", (t,)) for t in TOPOLOGIES]
+    results = sglang_env.in_child(jobs + [(Path(__file__).stem, "emulate_cfg", ())])
+    return {**dict(zip(TOPOLOGIES, results)), "cfg": results[-1]}
+
+
+def test_cfg_parallel_halves(runs):
+    """With CFG parallelism each SP group (one machine) runs the strategy on its own inputs."""
+    for rank, (out, stats, r, w) in enumerate(runs["cfg"]):
+        image, _ = _inputs(w, H, 0, seed=rank // w)
+        ref = reference.rank_rows(*(x.transpose(1, 2) for x in image), r, w).transpose(1, 2)
+        assert reference.max_abs_err(out, ref) < 1e-5, rank
+        assert stats == {H: (1, {}, "1x4")}, stats
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -29,16 +29,18 @@ def default_server_args():
     return args
 
 
-def setup(ulysses: int | None = None, ring: int = 1) -> None:
-    """SGLang's groups over the default (gloo) group: SP = every rank, ``ulysses`` x ``ring``."""
+def setup(ulysses: int | None = None, ring: int = 1, cfg: int = 1) -> None:
+    """SGLang's groups over the default (gloo) group: ``cfg`` CFG-parallel halves, each an SP
+    group of ``world / cfg`` contiguous ranks split ``ulysses`` x ``ring``."""
     from sglang.multimodal_gen.runtime.distributed import parallel_state as ps
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
     _native_custom_ops()
     rank, world = dist.get_rank(), dist.get_world_size()
     set_global_server_args(default_server_args())
     ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
-    ps.initialize_model_parallel(sequence_parallel_degree=world,
-                                 ulysses_degree=ulysses or world // ring, ring_degree=ring,
+    sp = world // cfg
+    ps.initialize_model_parallel(sequence_parallel_degree=sp, classifier_free_guidance_degree=cfg,
+                                 ulysses_degree=ulysses or sp // ring, ring_degree=ring,
                                  backend="gloo")
 
 
