@@ -1,0 +1,138 @@
+"""The SGLang plugin loads through its entry point (``sglang.multimodal_gen.plugins``) in a fresh
+worker process, in the order SGLang's worker bootstrap uses, and hooks ``USPAttention.forward``
+only when a strategy is set; configuration errors are loud."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from support import sglang_env
+
+_reason = sglang_env.absent()
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = "sglang.multimodal_gen.plugins"
+
+# what runtime/managers/worker_bootstrap.py does before importing the GPU worker
+_WORKER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from support.sglang_env import install_torchvision_stub
+install_torchvision_stub()
+from sglang.multimodal_gen.runtime.platforms import initialize_current_platform
+initialize_current_platform()
+from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
+load_plugins()
+apply_plugin_hooks()
+from xfuser_swiftfusion.integrations import sglang as sfs
+from xfuser_swiftfusion.integrations.sglang import config
+print(json.dumps({"installed": sfs.installed(), "strategy": config.current().strategy}))
+"""
+
+
+def _declared() -> str:
+    """Our entry point as pyproject.toml declares it."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return data["project"]["entry-points"][GROUP]["swiftfusion"]
+
+
+def _site(tmp_path: Path) -> Path:
+    """A folder for PYTHONPATH whose distribution declares the entry point, unless the installed
+    xfuser-swiftfusion already does (two plugins of one name make SGLang refuse all)."""
+    if any(ep.name == "swiftfusion" for ep in metadata.entry_points(group=GROUP)):
+        return tmp_path
+    info = tmp_path / "xfuser_swiftfusion_entry-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: xfuser-swiftfusion-entry\n"
+                                   "Version: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\nswiftfusion = {_declared()}\n")
+    return tmp_path
+
+
+def _worker(tmp_path: Path, strategy: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("SWIFTFUSION_STRATEGY", "SGLANG_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(_site(tmp_path)), str(ROOT)])
+    if strategy is not None:
+        env["SWIFTFUSION_STRATEGY"] = strategy
+    return subprocess.run([sys.executable, "-c", _WORKER, str(ROOT / "tests")], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_declared_entry_point_resolves():
+    module, _, attr = _declared().partition(":")
+    from xfuser_swiftfusion.integrations.sglang import plugin
+    assert module == plugin.__name__ and getattr(plugin, attr) is plugin.register
+
+
+def test_plugin_loads_in_a_fresh_worker(tmp_path):
+    done = _worker(tmp_path, "torus")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"installed": True,
+                                                                "strategy": "torus"}
+
+
+@pytest.mark.slow
+def test_plugin_without_strategy_changes_nothing(tmp_path):
+    done = _worker(tmp_path, None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"installed": False,
+                                                                "strategy": None}
+
+
+def test_unknown_strategy_is_an_error():
+    from xfuser_swiftfusion.integrations.sglang import config
+    with pytest.raises(ValueError, match="SWIFTFUSION_STRATEGY"):
+        config.parse_strategy("ulyses")
+    assert config.parse_strategy("usp") is None and config.parse_strategy(None) is None
+
+
+def test_calls_our_strategies_do_not_take_are_named():
+    """Each argument or layer property outside our strategies' contract names its reason; the
+    plain call and the replicated prefix/suffix are taken."""
+    import inspect
+    from types import SimpleNamespace
+
+    import torch
+
+    from xfuser_swiftfusion.integrations.sglang import calls
+
+    def forward(self, q, k, v, attn_mask=None, num_replicated_prefix=0, num_replicated_suffix=0,
+                num_replicated_kv_prefix=0, skip_sequence_parallel_override=False,
+                attn_mask_meta=None, qkv_pre_all_to_all=False, seq_lens=None, q_prefix=None,
+                k_prefix=None, v_prefix=None):
+        """The signature of SGLang 0.5.23's USPAttention.forward."""
+
+    sig = inspect.signature(forward)
+    layer = SimpleNamespace(skip_sequence_parallel=False, causal=False, dropout_p=0.0,
+                            backend=SimpleNamespace(is_sparse=False, name="FA"))
+    q = torch.zeros(1, 4, 2, 8)
+    plain = dict(q=q, k=q, v=q)
+    why = lambda lay=layer, **kw: calls.unsupported(calls.bind(sig, (lay,), {**plain, **kw}))  # noqa: E731
+    assert why() is None
+    assert why(num_replicated_prefix=2) is None and why(num_replicated_suffix=2) is None
+    assert why(attn_mask=torch.ones(1, 4, dtype=torch.bool)) == "attention mask"
+    assert why(attn_mask_meta={"pad_start": 3}) == "attention mask metadata (varlen / tail pad)"
+    assert why(num_replicated_kv_prefix=3) == "replicated K/V prefix"
+    assert why(seq_lens=[4]) == "packed variable-length sequences (seq_lens)"
+    assert why(qkv_pre_all_to_all=True) == "q/k/v already exchanged (qkv_pre_all_to_all)"
+    assert why(skip_sequence_parallel_override=True) == "skip_sequence_parallel_override"
+    assert why(num_replicated_prefix=1, num_replicated_suffix=1) == \
+        "replicated prefix and suffix in one call"
+    assert why(k=torch.zeros(1, 6, 2, 8), v=torch.zeros(1, 6, 2, 8)) == \
+        "q and k/v of different lengths (cross-attention)"
+    for name, value, reason in (("causal", True, "causal attention"),
+                                ("skip_sequence_parallel", True,
+                                 "skip_sequence_parallel layer (replicated K/V)"),
+                                ("dropout_p", 0.1, "attention dropout")):
+        assert why(SimpleNamespace(**{**vars(layer), name: value})) == reason
+    sparse = SimpleNamespace(**{**vars(layer), "backend": SimpleNamespace(is_sparse=True, name="VSA")})
+    assert why(sparse) == "sparse attention backend VSA"
