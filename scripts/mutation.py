@@ -13,7 +13,8 @@ keyed by ``mutant key`` (below), each with its one-line reason; they are not run
 
 A mutant is one change of the module's syntax tree (``OPERATORS``): a comparison, arithmetic,
 boolean or unary operator swapped or dropped, an int or float constant plus one, a bool
-negated, ``break``/``continue`` swapped, or a call statement deleted. Left alone: docstrings,
+negated, ``break``/``continue`` swapped, a call statement deleted, or an element of a tuple
+display returned (the value, tuples in it, branches of ``x if c else y``) deleted (a key such as ``planned.signature`` losing a part). Left alone: docstrings,
 annotations, f-strings, ``raise`` statements, logging calls, numeric defaults of parameters and
 lines marked ``# pragma: no mutate``. The key of a mutant is its line's text and the change
 (``<stripped line> :: <what> #<n-th on the line>``): stable while that line is unchanged.
@@ -141,8 +142,9 @@ def _replace_segment(src_lines: list[str], node: ast.AST, text: str) -> str:
     return "".join(new)
 
 
-def _variants(node: ast.AST) -> list[tuple[str, ast.AST | str]]:
-    """(what, replacement node or statement text) for one node."""
+def _variants(node: ast.AST, returned: bool = False) -> list[tuple[str, ast.AST | str]]:
+    """(what, replacement node or statement text) for one node (``returned``: a tuple
+    display inside a ``return`` value)."""
     out: list[tuple[str, ast.AST | str]] = []
     if isinstance(node, ast.Compare):
         for i, op in enumerate(node.ops):
@@ -179,9 +181,26 @@ def _variants(node: ast.AST) -> list[tuple[str, ast.AST | str]]:
         out.append(("break -> continue", "continue"))
     elif isinstance(node, ast.Continue):
         out.append(("continue -> break", "break"))
-    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and \
+            _call_name(node.value) not in QUIET_CALLS:
         out.append((f"{_call_name(node.value)}(...) deleted", "pass"))
+    elif isinstance(node, ast.Tuple) and returned and len(node.elts) > 1:
+        for i, e in enumerate(node.elts):
+            m = copy.deepcopy(node)
+            del m.elts[i]
+            out.append((f"tuple element {i + 1} ({ast.unparse(e)}) deleted", m))
     return out
+
+
+def _shape(value: ast.AST | None) -> list[ast.Tuple]:
+    """The tuple displays that make up a returned value: the value itself, the tuples it holds
+    and the branches of conditional expressions, recursively (not tuples inside calls,
+    subscripts or comprehensions)."""
+    if isinstance(value, ast.Tuple):
+        return [value, *(t for e in value.elts for t in _shape(e))]
+    if isinstance(value, ast.IfExp):
+        return _shape(value.body) + _shape(value.orelse)
+    return []
 
 
 def mutants(path: Path) -> list[Mutant]:
@@ -196,8 +215,9 @@ def mutants(path: Path) -> list[Mutant]:
     out: list[Mutant] = []
     seen: dict[str, int] = {}
     dump = ast.dump(tree)
+    returned = {id(t) for r in ast.walk(tree) if isinstance(r, ast.Return) for t in _shape(r.value)}
     for node in nodes:
-        for what, repl in _variants(node):
+        for what, repl in _variants(node, id(node) in returned):
             text = repl if isinstance(repl, str) else f"({ast.unparse(repl)})"
             source = _replace_segment(src_lines, node, text)
             try:
@@ -351,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         for module in modules:
             eq = conf.get("equivalent", {}).get(module, {})
             for m in mutants(ROOT / PACKAGE / module):
-                print(f"{module} #{m.index} L{m.line} {m.what}{'  [equivalent]' if m.key in eq else ''}")
+                print(f"{module} #{m.index} L{m.line} {m.what}{'  [equivalent]' if m.key in eq else ''}"
+                      f"\n    key: {json.dumps(m.key)}")
         return 0
     results = {}
     with tempfile.TemporaryDirectory(prefix="sf-mutation-") as tmp:

@@ -116,3 +116,25 @@ def test_the_steps_change_one_part_at_a_time():
     for (_, prev), (step, case) in zip(seq, seq[1:]):
         changed = {k for k in case if case[k] != prev[k]}
         assert len(changed) == 1, (step, changed)
+
+
+def test_signature_tells_apart_inputs_that_differ_in_one_part():
+    """``signature`` directly, for the parts the sequence above cannot vary through a context:
+    the device (a ``meta`` tensor stands for a second device) and the query heads alone."""
+    from xfuser_swiftfusion.strategies.layout import Joint, KeyMask
+    from xfuser_swiftfusion.strategies.planned import signature
+
+    def sig(H=4, Hkv=4, dtype=torch.float32, device="cpu", scale=0.5, Tj=3, Tkv=3,
+            where="front", tokens=True, text=False):
+        x = lambda h, n: torch.empty(2, h, n, 8, dtype=dtype, device=device)  # noqa: E731
+        joint = Joint(x(H, Tj), x(Hkv, Tkv), x(Hkv, Tkv), where) if Tj else None
+        mask = KeyMask(torch.ones(2, 24, dtype=torch.bool) if tokens else None, 6,
+                       torch.ones(2, Tkv, dtype=torch.bool) if text else None)
+        return signature(x(H, 6), x(Hkv, 6), joint, scale, mask if tokens or text else None)
+
+    base = sig()
+    for part in (dict(H=8), dict(Hkv=2), dict(dtype=torch.bfloat16), dict(device="meta"),
+                 dict(scale=0.25), dict(Tj=0), dict(Tj=4), dict(Tkv=4), dict(where="rear"),
+                 dict(tokens=False), dict(text=True), dict(tokens=False, text=True)):
+        assert sig(**part) != base, part
+    assert sig() == base  # equal inputs: one key
