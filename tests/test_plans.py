@@ -83,6 +83,33 @@ def test_the_guard_lets_views_allocations_and_preparing_pass():
     assert plan.compile(layer, torch.randn(4, 6)).run() is not None
 
 
+def test_the_guard_is_back_after_preparing():
+    """Work after a (nested) ``preparing()`` block is caught again."""
+    def layer(a: torch.Tensor) -> None:
+        with plan.preparing():
+            with plan.preparing():
+                a.clone()
+            a.clone()
+        a.clone()
+
+    with pytest.raises(plan.UnrecordedOp, match="outside a recorded step"):
+        plan.compile(layer, torch.randn(4, 6))
+
+
+def test_allocations_at_compile_keep_their_arguments():
+    """An allocation while compiling passes the guard with its dtype and shape (the keyword
+    arguments reach the op)."""
+    seen = []
+
+    def layer(a: torch.Tensor) -> None:
+        seen.extend([torch.empty(3, dtype=torch.float64), a.new_empty(2, dtype=torch.int32),
+                     torch.empty_like(a, dtype=torch.bfloat16)])
+
+    plan.compile(layer, torch.randn(4, 6))
+    assert [(x.dtype, tuple(x.shape)) for x in seen] == [
+        (torch.float64, (3,)), (torch.int32, (2,)), (torch.bfloat16, (4, 6))]
+
+
 def test_compile_is_not_reentrant_and_then_composes_outputs():
     def inner(a):
         plan.output(lambda: a * 2)
