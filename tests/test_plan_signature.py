@@ -137,4 +137,5 @@ def test_signature_tells_apart_inputs_that_differ_in_one_part():
                  dict(scale=0.25), dict(Tj=0), dict(Tj=4), dict(Tkv=4), dict(where="rear"),
                  dict(tokens=False), dict(text=True), dict(tokens=False, text=True)):
         assert sig(**part) != base, part
+    assert sig(H=8, Tj=0) != sig(Tj=0)  # the query's heads alone
     assert sig() == base  # equal inputs: one key

@@ -272,8 +272,10 @@ class _FakeCuda:
                 fake.capturing = False
 
         class Event:
+            recorded = False
+
             def record(self, stream=None) -> None:
-                pass
+                self.recorded = True
 
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
@@ -310,6 +312,7 @@ class _Comm:
         self.capturing = capturing
 
     def watch(self, event, what) -> None:
+        assert event.recorded, f"{what}: watching an event never recorded"
         self.watched.append(what)
 
 
