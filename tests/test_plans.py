@@ -268,6 +268,8 @@ class _FakeCuda:
             fake.capturing, fake.graph = True, g
             try:
                 yield
+            except BaseException:  # capture_end on an invalidated capture raises its own error
+                raise RuntimeError("operation failed due to a previous error during capture")
             finally:
                 fake.capturing = False
 
@@ -280,7 +282,11 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
         monkeypatch.setattr(torch.cuda, "Event", Event)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        self.synchronized = 0
+
+        def synchronize(device=None) -> None:
+            fake.synchronized += 1
+        monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
         monkeypatch.setattr(PlanCache, "_graphs_on", lambda self, device: True)
 
     def work(self, fn):
@@ -317,6 +323,7 @@ class _Comm:
 
 
 def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog):
+    from xfuser_swiftfusion.kernels import dispatch
     cuda, comm = _FakeCuda(monkeypatch), _Comm()
     python_steps = []
 
@@ -326,11 +333,13 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
         def step():
             python_steps.append(cuda.capturing)
             comm.counter.count(1, 8)  # a transfer issued by the step's Python
+            dispatch.add_attend_calls(1)  # and a counted kernel launch
         plan.call(step)
         plan.call(cuda.work(lambda: out.copy_(q * 2)))
         return plan.output(lambda: out.clone())
 
     cache = PlanCache(layer, comms=[comm], name="test layer")
+    attends = dispatch.attend_calls()
     g = torch.Generator().manual_seed(0)
     outs = []
     for _ in range(4):
@@ -340,6 +349,7 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
     assert python_steps == [False, True]  # eager warm-up, capture; the replays run no Python
     assert comm.captures == 1 and comm.watched == ["test layer: CUDA graph replay"] * 3
     assert comm.counter.inter_node_bytes == 8 * 4  # replays count what their capture issued
+    assert dispatch.attend_calls() - attends == 4
     assert cache.stats()["graphs_captured"] == 1
 
 
@@ -358,6 +368,7 @@ def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, c
             assert torch.equal(cache(q, q, q, None, 1.0), q + 1)
     said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(said) == 1 and "operation not permitted" in said[0] and "runs eagerly" in said[0]
+    assert cuda.synchronized == 1  # the failed capture's work is done before eager runs
     assert cache.stats()["graphs_captured"] == 0
 
 
