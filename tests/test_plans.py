@@ -162,6 +162,15 @@ def test_cuda_graphs_option_and_environment(monkeypatch):
         graphs_requested({"cuda_graphs": "on"})
 
 
+def test_graphs_are_on_for_cuda_tensors_unless_turned_off():
+    """``graphs``: None (the default) and True capture CUDA tensors' plans, False never; CPU
+    tensors' plans are never captured."""
+    on = {g: PlanCache(lambda *a: None, graphs=g)._graphs_on for g in (None, True, False)}
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [on[g](cuda) for g in (None, True, False)] == [True, True, False]
+    assert [on[g](cpu) for g in (None, True, False)] == [False, False, False]
+
+
 # --- the fused schedule -------------------------------------------------------------------
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
