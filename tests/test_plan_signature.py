@@ -87,6 +87,7 @@ def _sequence_rank(strategies: tuple[str, ...]) -> list[tuple]:
                 err = max_abs_err(out, ref) if ok else math.inf
                 rows.append((name, step, err, ok, TOL[dtype], ctx.strategy))
             before = ctx.stats()["plans_compiled"]
+            rows.append((name, "compiled", before, len({tuple(map(str, c.values())) for _, c in cases()})))
             ctx.attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], **kw, scale=c["scale"],
                           key_mask=mask, joint_key_mask=tmask)
             rows.append((name, "repeat", before, ctx.stats()["plans_compiled"]))
@@ -98,12 +99,15 @@ def test_every_part_of_the_plan_signature_changes_the_plan():
     text placement, shapes, dtype, text length, kind of key mask, K/V heads)."""
     failures = []
     for rank, rows in enumerate(run_emulated(_sequence_rank, "2x2", STRATEGIES, timeout_s=300)):
-        steps = [r for r in rows if r[1] != "repeat"]
+        steps = [r for r in rows if r[1] not in ("repeat", "compiled")]
         assert len(steps) == len(STRATEGIES) * len(STEPS)
         for name, step, err, ok, tol, ran in steps:
             if ran != name or not ok or not err <= tol:
                 failures.append(f"rank {rank} {name} (ran as {ran}) after '{step}': "
                                 f"{'wrong dtype or shape' if not ok else f'err {err:.3e} > {tol}'}")
+        for name, _, compiled, distinct in (r for r in rows if r[1] == "compiled"):
+            if compiled != distinct:  # one plan per signature (the returns hit the cache)
+                failures.append(f"rank {rank} {name}: {compiled} plans for {distinct} signatures")
         for name, _, before, after in (r for r in rows if r[1] == "repeat"):
             if after != before:  # the same signature again runs its plan
                 failures.append(f"rank {rank} {name}: a repeated call compiled ({before} -> {after})")
