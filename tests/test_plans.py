@@ -149,6 +149,31 @@ def test_plan_cache_compiles_once_per_signature_and_is_bounded():
     assert cache.stats()["plans_compiled"] == 4 and cache.stats()["plans_cached"] == 2
 
 
+def test_plan_stats_add_up_a_strategy_and_its_children():
+    """``plan_stats``: the counters of a strategy's ``plans`` plus those of the strategies it
+    delegates to (``plan_children``), counted here by hand."""
+    from xfuser_swiftfusion.strategies.planned import plan_stats
+
+    class Strategy:
+        def __init__(self, children=()):
+            self.plans, self.children = PlanCache(_local_layer([])), list(children)
+
+        def plan_children(self):
+            return self.children
+
+    child, parent = Strategy(), None
+    parent = Strategy([child])
+    for cache, lengths in ((parent.plans, (4, 6, 4)), (child.plans, (5,))):
+        for L in lengths:
+            q = torch.randn(1, 2, L, 8)
+            cache(q, q, q, None, 0.5)
+    # 3 signatures, one step each (the layer's one plan.call)
+    assert plan_stats(parent) == {"plans_compiled": 3, "plans_cached": 3, "plan_steps": 3,
+                                  "graphs_captured": 0}
+    assert plan_stats(object()) == {"plans_compiled": 0, "plans_cached": 0, "plan_steps": 0,
+                                     "graphs_captured": 0}
+
+
 def test_cuda_graphs_option_and_environment(monkeypatch):
     monkeypatch.delenv("SWIFTFUSION_CUDA_GRAPHS", raising=False)
     assert graphs_requested({}) is None
