@@ -84,16 +84,21 @@ def test_the_guard_lets_views_allocations_and_preparing_pass():
 
 
 def test_the_guard_is_back_after_preparing():
-    """Work after a (nested) ``preparing()`` block is caught again."""
-    def layer(a: torch.Tensor) -> None:
+    """Work inside nested ``preparing()`` blocks passes, work after a block is caught again."""
+    def nested(a: torch.Tensor) -> None:
         with plan.preparing():
             with plan.preparing():
                 a.clone()
+            a.clone()  # still inside the outer block
+
+    def after(a: torch.Tensor) -> None:
+        with plan.preparing():
             a.clone()
         a.clone()
 
+    plan.compile(nested, torch.randn(4, 6))
     with pytest.raises(plan.UnrecordedOp, match="outside a recorded step"):
-        plan.compile(layer, torch.randn(4, 6))
+        plan.compile(after, torch.randn(4, 6))
 
 
 def test_allocations_at_compile_keep_their_arguments():
