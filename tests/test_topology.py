@@ -161,21 +161,31 @@ def test_topology_from_the_local_world_size_without_torch_distributed(monkeypatc
 
 def _detected(cases):
     import os
+    import socket
+    import torch.distributed as dist
     del os.environ["SWIFTFUSION_TOPOLOGY"]  # set by the emulation: the hostnames decide here
     out = []
     for local in cases:
-        os.environ["LOCAL_WORLD_SIZE"] = local
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if local is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = local
         out.append(str(detect_topology(4)))
+    rank = dist.get_rank()
+    real, socket.gethostname = socket.gethostname, lambda: f"host{rank // 2}"
+    try:  # two hosts of two ranks each: the hostnames decide, whatever $LOCAL_WORLD_SIZE says
+        out.append(str(detect_topology(4)))
+    finally:
+        socket.gethostname = real
     return out
 
 
 def test_topology_from_hostnames_over_torch_distributed():
     """Four ranks on one host (loopback): one machine, unless $LOCAL_WORLD_SIZE divides the
-    world into several."""
+    world into several; ranks reporting two hostnames: two machines."""
     from xfuser_swiftfusion.emulation.launcher import run_emulated
-    cases = ["0", "2", "1", "3", "4", "8"]
+    cases = ["0", "2", "1", "3", "4", "8", None]
     for rows in run_emulated(_detected, "1x4", cases, timeout_s=120):
-        assert rows == ["1x4", "2x2", "4x1", "1x4", "1x4", "1x4"]
+        assert rows == ["1x4", "2x2", "4x1", "1x4", "1x4", "1x4", "1x4", "2x2"]
 
 
 def test_hostnames_more_layouts():
@@ -187,3 +197,11 @@ def test_hostnames_more_layouts():
             topology_from_hostnames(names)
     assert Topology(3, 2).node_of(5) == 2 and Topology(3, 2).node_of(1) == 0
     assert Topology.parse("1x1") == Topology(1, 1) and Topology(1, 1).world_size == 1
+
+
+def test_topology_is_a_value():
+    """Frozen and hashable: usable as a key (equal layouts, one key), never changed in place."""
+    import dataclasses
+    assert {Topology(2, 2): "a"}[Topology.parse("2x2")] == "a"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Topology(2, 2).nodes = 3
