@@ -140,3 +140,20 @@ def test_arrival_waits_its_handles_then_dequantizes_once():
     arrival.wait()
     arrival.wait()
     assert log == ["k", "v", "then"]
+
+
+def test_wire_round_trip_with_two_lead_dimensions():
+    """A wire ``[2, 3, P * (m + 4)]``: one scale per (lead index, part), each part back within
+    the e4m3 bound of the module docstring."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 4, 5, generator=g) * torch.tensor([1.0, 10.0, 100.0])[None, :, None, None]
+    y = torch.randn(2, 3, 20, generator=g)
+    wire = fp8.wire_empty(lambda s, d: torch.empty(s, dtype=d), (2, 3), 20, parts=2)
+    fp8.quantize_(wire, x, y)
+    scales = wire[..., 40:].contiguous().view(torch.float32)  # [2, 3, 2]
+    assert torch.equal(scales[..., 0], x.flatten(2).abs().amax(-1) / 448)
+    a, b = torch.empty_like(x), torch.empty_like(y)
+    fp8.dequantize_(wire, a, b)
+    for src, got, s in ((x, a, scales[..., 0]), (y, b, scales[..., 1])):
+        s = s.reshape(2, 3, *[1] * (src.dim() - 2))
+        assert ((got - src).abs() <= 2 ** -4 * src.abs() + s * 2 ** -10).all()
