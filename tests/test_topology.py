@@ -183,9 +183,9 @@ def test_topology_from_hostnames_over_torch_distributed():
     """Four ranks on one host (loopback): one machine, unless $LOCAL_WORLD_SIZE divides the
     world into several; ranks reporting two hostnames: two machines."""
     from xfuser_swiftfusion.emulation.launcher import run_emulated
-    cases = ["0", "2", "1", "3", "4", "8", None]
+    cases = ["0", "2", "1", "3", "4", "8", "", None]
     for rows in run_emulated(_detected, "1x4", cases, timeout_s=120):
-        assert rows == ["1x4", "2x2", "4x1", "1x4", "1x4", "1x4", "1x4", "2x2"]
+        assert rows == ["1x4", "2x2", "4x1", "1x4", "1x4", "1x4", "1x4", "1x4", "2x2"]
 
 
 def test_hostnames_more_layouts():
