@@ -112,3 +112,48 @@ def test_fp8_option_must_be_a_bool():
     assert fp8.enabled({}) is False and fp8.enabled({"fp8_comms": True}) is True
     with pytest.raises(TypeError, match="fp8_comms"):
         fp8.enabled({"fp8_comms": "yes"})
+
+
+def test_quantize_rejects_a_wire_that_is_not_a_slot():
+    """A wire must be ``uint8 [*lead, P * (m + 4)]`` with ``m >= 1``."""
+    assert fp8.wire_bytes(5) == 9 and fp8.wire_bytes(5, 3) == 27
+    assert fp8.wire_empty(lambda s, d: torch.empty(s, dtype=d), (2,), 5).shape == (2, 9)
+    fp8.quantize_(torch.empty(2, 5, dtype=torch.uint8), torch.randn(2, 1))  # m = 1: a slot
+    for wire, parts in ((torch.empty(2, 4, dtype=torch.uint8), 1),      # m = 0
+                        (torch.empty(2, 17, dtype=torch.uint8), 2),     # not 2 (m + 4)
+                        (torch.empty(2, 8, dtype=torch.float32), 1)):   # not uint8
+        with pytest.raises(ValueError, match="is not a uint8 slot"):
+            fp8.quantize_(wire, *[torch.randn(2, 4)] * parts)
+
+
+def test_arrival_waits_its_handles_then_dequantizes_once():
+    log = []
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            log.append(self.name)
+
+    arrival = fp8.Arrival([Handle("k"), Handle("v")], lambda: log.append("then"))
+    arrival.wait()
+    arrival.wait()
+    assert log == ["k", "v", "then"]
+
+
+def test_wire_round_trip_with_two_lead_dimensions():
+    """A wire ``[2, 3, P * (m + 4)]``: one scale per (lead index, part), each part back within
+    the e4m3 bound of the module docstring."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 4, 5, generator=g) * torch.tensor([1.0, 10.0, 100.0])[None, :, None, None]
+    y = torch.randn(2, 3, 20, generator=g)
+    wire = fp8.wire_empty(lambda s, d: torch.empty(s, dtype=d), (2, 3), 20, parts=2)
+    fp8.quantize_(wire, x, y)
+    scales = wire[..., 40:].contiguous().view(torch.float32)  # [2, 3, 2]
+    assert torch.equal(scales[..., 0], x.flatten(2).abs().amax(-1) / 448)
+    a, b = torch.empty_like(x), torch.empty_like(y)
+    fp8.dequantize_(wire, a, b)
+    for src, got, s in ((x, a, scales[..., 0]), (y, b, scales[..., 1])):
+        s = s.reshape(2, 3, *[1] * (src.dim() - 2))
+        assert ((got - src).abs() <= 2 ** -4 * src.abs() + s * 2 ** -10).all()

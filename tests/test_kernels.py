@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from xfuser_swiftfusion import kernels
 from xfuser_swiftfusion.kernels import AttnState, attend, merge_states, new_state, select_backend, set_backend
 from xfuser_swiftfusion.kernels import flash as flash_backend
+from xfuser_swiftfusion.kernels.state import key_bias, repeat_kv
 from support.reference import attention_lse
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -100,7 +101,9 @@ def test_cpu_matches_reference(dtype, D, B, H):
 
 @pytest.mark.parametrize("lengths,groups", [([512] * 4, [1024, 1024]), ([512] * 3, [1536]),
                                             ([100] * 10, [1000]), ([800, 1, 900], [800, 901]),
-                                            ([2000], [2000])])
+                                            ([2000], [2000]), ([384] * 4, [768, 768]),
+                                            ([768, 768], [768, 768]), ([384, 383, 384, 384], [1535]),
+                                            ([768, 384, 383, 384, 384], [768, 1535])])
 def test_cpu_query_chunks_joined_into_big_tile_groups(lengths, groups):
     from xfuser_swiftfusion.kernels import cpu
     work = [(torch.empty(1, 1, n, 8), None) for n in lengths]
@@ -159,6 +162,48 @@ def test_finalize_keeps_state_usable():
     attend([q], kv[:1], s, scale=0.125, finalize=True)
     (o,) = attend([q], kv[1:], s, scale=0.125, finalize=True)
     assert_matches(o, s[0].lse(), *reference(q, kv, 0.125), 1e-5)
+
+
+def test_one_element_query_chunk_is_attended():
+    """A query chunk of one element (``[1, 1, 1, 1]``) has a row: it is attended, not skipped."""
+    torch.manual_seed(2)
+    q = torch.randn(1, 1, 1, 1)
+    kv = [(torch.randn(1, 1, 4, 1), torch.randn(1, 1, 4, 1))]
+    s = [new_state(q)]
+    (o,) = attend([q], kv, s, scale=0.5, finalize=True)
+    assert_matches(o, s[0].lse(), *reference(q, kv, 0.5), 1e-5)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (6, 1)])
+def test_repeat_kv_follows_the_head_mapping(H, Hkv):
+    """``repeat_kv`` (the CUDA backends' GQA; torch's CPU op maps heads itself): query head i
+    reads K/V head ``i // (H / H_kv)``."""
+    x = torch.randn(2, Hkv, 3, 4)
+    assert torch.equal(repeat_kv(x, H), x[:, torch.arange(H) // (H // Hkv)])
+
+
+def test_key_masks_stay_with_their_chunks_of_one_key():
+    """Key masks of K/V chunks of 0, 1 and 3 keys: each mask applies to its own chunk."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 2, 5, 8)
+    kv = [(torch.randn(2, 2, n, 8), torch.randn(2, 2, n, 8)) for n in (1, 0, 3)]
+    masks = [torch.tensor([[False], [True]]), torch.ones(2, 0, dtype=torch.bool),
+             torch.tensor([[True, False, True], [False, True, True]])]
+    s = [new_state(q)]
+    (o,) = attend([q], kv, s, scale=0.5, key_masks=masks, finalize=True)
+    K, V = (torch.cat([c[i] for c in kv], 2) for i in (0, 1))
+    ref, lse = attention_lse(q, K, V, 0.5, torch.cat(masks, 1))
+    assert_matches(o, s[0].lse(), ref, lse, 1e-5)
+
+
+def test_key_bias_values_and_aligned_storage():
+    """``key_bias``: 0 where the mask is True, -inf where False, ``[B, 1, 1, Lk]`` viewing a
+    storage of ``ceil(Lk / align) * align`` columns per batch entry."""
+    mask = torch.tensor([[True, False, True, True, False], [False, True, True, False, True]])
+    want = torch.zeros(2, 5).masked_fill(~mask, float("-inf"))[:, None, None, :]
+    for align, cols in ((1, 5), (4, 8), (8, 8)):
+        bias = key_bias(mask, torch.float32, align)
+        assert torch.equal(bias, want) and bias.stride(0) == cols, (align, bias.stride())
 
 
 def test_shape_and_dtype_errors():

@@ -83,6 +83,38 @@ def test_the_guard_lets_views_allocations_and_preparing_pass():
     assert plan.compile(layer, torch.randn(4, 6)).run() is not None
 
 
+def test_the_guard_is_back_after_preparing():
+    """Work inside nested ``preparing()`` blocks passes, work after a block is caught again."""
+    def nested(a: torch.Tensor) -> None:
+        with plan.preparing():
+            with plan.preparing():
+                a.clone()
+            a.clone()  # still inside the outer block
+
+    def after(a: torch.Tensor) -> None:
+        with plan.preparing():
+            a.clone()
+        a.clone()
+
+    plan.compile(nested, torch.randn(4, 6))
+    with pytest.raises(plan.UnrecordedOp, match="outside a recorded step"):
+        plan.compile(after, torch.randn(4, 6))
+
+
+def test_allocations_at_compile_keep_their_arguments():
+    """An allocation while compiling passes the guard with its dtype and shape (the keyword
+    arguments reach the op)."""
+    seen = []
+
+    def layer(a: torch.Tensor) -> None:
+        seen.extend([torch.empty(3, dtype=torch.float64), a.new_empty(2, dtype=torch.int32),
+                     torch.empty_like(a, dtype=torch.bfloat16)])
+
+    plan.compile(layer, torch.randn(4, 6))
+    assert [(x.dtype, tuple(x.shape)) for x in seen] == [
+        (torch.float64, (3,)), (torch.int32, (2,)), (torch.bfloat16, (4, 6))]
+
+
 def test_compile_is_not_reentrant_and_then_composes_outputs():
     def inner(a):
         plan.output(lambda: a * 2)
@@ -122,6 +154,32 @@ def test_plan_cache_compiles_once_per_signature_and_is_bounded():
     assert cache.stats()["plans_compiled"] == 4 and cache.stats()["plans_cached"] == 2
 
 
+def test_plan_stats_add_up_a_strategy_and_its_children():
+    """``plan_stats``: the counters of a strategy's ``plans`` plus those of the strategies it
+    delegates to (``plan_children``), counted here by hand."""
+    from xfuser_swiftfusion.strategies.planned import plan_stats
+
+    class Strategy:
+        def __init__(self, children=()):
+            self.plans = PlanCache(_local_layer([]), comms=[], graphs=None)
+            self.children = list(children)
+
+        def plan_children(self):
+            return self.children
+
+    child, parent = Strategy(), None
+    parent = Strategy([child])
+    for cache, lengths in ((parent.plans, (4, 6, 4)), (child.plans, (5,))):
+        for L in lengths:
+            q = torch.randn(1, 2, L, 8)
+            cache(q, q, q, None, 0.5)
+    # 3 signatures, one step each (the layer's one plan.call)
+    assert plan_stats(parent) == {"plans_compiled": 3, "plans_cached": 3, "plan_steps": 3,
+                                  "graphs_captured": 0}
+    assert plan_stats(object()) == {"plans_compiled": 0, "plans_cached": 0, "plan_steps": 0,
+                                     "graphs_captured": 0}
+
+
 def test_cuda_graphs_option_and_environment(monkeypatch):
     monkeypatch.delenv("SWIFTFUSION_CUDA_GRAPHS", raising=False)
     assert graphs_requested({}) is None
@@ -133,6 +191,15 @@ def test_cuda_graphs_option_and_environment(monkeypatch):
         graphs_requested({})
     with pytest.raises(TypeError):
         graphs_requested({"cuda_graphs": "on"})
+
+
+def test_graphs_are_on_for_cuda_tensors_unless_turned_off():
+    """``graphs``: None (the default) and True capture CUDA tensors' plans, False never; CPU
+    tensors' plans are never captured."""
+    on = {g: PlanCache(lambda *a: None, comms=[], graphs=g)._graphs_on for g in (None, True, False)}
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [on[g](cuda) for g in (None, True, False)] == [True, True, False]
+    assert [on[g](cpu) for g in (None, True, False)] == [False, False, False]
 
 
 # --- the fused schedule -------------------------------------------------------------------
@@ -247,12 +314,16 @@ class _FakeCuda:
             fake.capturing, fake.graph = True, g
             try:
                 yield
+            except BaseException:  # capture_end on an invalidated capture raises its own error
+                raise RuntimeError("operation failed due to a previous error during capture")
             finally:
                 fake.capturing = False
 
         class Event:
+            recorded = False
+
             def record(self, stream=None) -> None:
-                pass
+                self.recorded = True
 
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
@@ -260,7 +331,11 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
         monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        self.synchronized = 0
+
+        def synchronize(device=None) -> None:
+            fake.synchronized += 1
+        monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
         monkeypatch.setattr(PlanCache, "_graphs_on", lambda self, device: True)
 
     def work(self, fn):
@@ -293,6 +368,7 @@ class _Comm:
         self.capturing = capturing
 
     def watch(self, event, what, doing="") -> None:
+        assert event.recorded, f"{what}: watching an event never recorded"
         self.watched.append(what)
 
     def check(self) -> None:
@@ -300,6 +376,7 @@ class _Comm:
 
 
 def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog):
+    from xfuser_swiftfusion.kernels import dispatch
     cuda, comm = _FakeCuda(monkeypatch), _Comm()
     python_steps = []
 
@@ -309,11 +386,13 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
         def step():
             python_steps.append(cuda.capturing)
             comm.counter.count(1, 8)  # a transfer issued by the step's Python
+            dispatch.add_attend_calls(1)  # and a counted kernel launch
         plan.call(step)
         plan.call(cuda.work(lambda: out.copy_(q * 2)))
         return plan.output(lambda: out.clone())
 
     cache = PlanCache(layer, comms=[comm], graphs=None, name="test layer")
+    attends = dispatch.attend_calls()
     g = torch.Generator().manual_seed(0)
     outs = []
     for _ in range(4):
@@ -323,6 +402,7 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
     assert python_steps == [False, True]  # eager warm-up, capture; the replays run no Python
     assert comm.captures == 1 and comm.watched == ["test layer: CUDA graph replay"] * 3
     assert comm.counter.inter_node_bytes == 8 * 4  # replays count what their capture issued
+    assert dispatch.attend_calls() - attends == 4
     assert cache.stats()["graphs_captured"] == 1
 
 
@@ -341,6 +421,7 @@ def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, c
             assert torch.equal(cache(q, q, q, None, 1.0), q + 1)
     said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(said) == 1 and "operation not permitted" in said[0] and "runs eagerly" in said[0]
+    assert cuda.synchronized == 1  # the failed capture's work is done before eager runs
     assert cache.stats()["graphs_captured"] == 0
 
 

@@ -135,3 +135,73 @@ def test_plan_cli_bad_input(capsys):
     assert cli_main(["plan", "--nodes", "2", "--gpus-per-node", "2", "--heads", "4",
                      "--seq-len", "1001", "--head-dim", "64"]) == 2
     assert "not divisible by the SP degree 4" in capsys.readouterr().err
+
+
+def test_subset_topology_of_groups():
+    """Machines x GPUs of a group, against the layout drawn by hand; the groups it refuses."""
+    from xfuser_swiftfusion.topology import subset_topology
+    t = Topology(2, 2)  # machine 0: ranks 0, 1; machine 1: ranks 2, 3
+    for ranks, want in (([2, 3], "1x2"), ([1, 2], "2x1"), ([0, 1, 2, 3], "2x2"), ([3], "1x1"),
+                        ([2, 3, 0, 1], "2x2"), ([0], "1x1")):
+        assert str(subset_topology(t, ranks)) == want, ranks
+    for ranks in ([], [0, 0], [-1, 0], [3, 4], [0, 2, 1, 3], [0, 1, 2]):
+        with pytest.raises(TopologyError):
+            subset_topology(t, ranks)
+
+
+def test_topology_from_the_local_world_size_without_torch_distributed(monkeypatch):
+    monkeypatch.delenv("SWIFTFUSION_TOPOLOGY", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert detect_topology(8) == Topology(1, 8)
+    for local, want in (("2", Topology(4, 2)), ("8", Topology(1, 8)), ("16", Topology(1, 8)),
+                        ("1", Topology(8, 1)), ("", Topology(1, 8))):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert detect_topology(8) == want, local
+
+
+def _detected(cases):
+    import os
+    import socket
+    import torch.distributed as dist
+    del os.environ["SWIFTFUSION_TOPOLOGY"]  # set by the emulation: the hostnames decide here
+    out = []
+    for local in cases:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if local is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = local
+        out.append(str(detect_topology(4)))
+    rank = dist.get_rank()
+    real, socket.gethostname = socket.gethostname, lambda: f"host{rank // 2}"
+    try:  # two hosts of two ranks each: the hostnames decide, whatever $LOCAL_WORLD_SIZE says
+        out.append(str(detect_topology(4)))
+    finally:
+        socket.gethostname = real
+    return out
+
+
+def test_topology_from_hostnames_over_torch_distributed():
+    """Four ranks on one host (loopback): one machine, unless $LOCAL_WORLD_SIZE divides the
+    world into several; ranks reporting two hostnames: two machines."""
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    cases = ["0", "2", "1", "3", "4", "8", "", None]
+    for rows in run_emulated(_detected, "1x4", cases, timeout_s=120):
+        assert rows == ["1x4", "2x2", "4x1", "1x4", "1x4", "1x4", "1x4", "1x4", "2x2"]
+
+
+def test_hostnames_more_layouts():
+    for names, want in ((["a"], (1, 1)), (["a", "b"], (2, 1)), (["a", "a", "b", "b", "c", "c"], (3, 2)),
+                        (["h"] * 3, (1, 3))):
+        assert topology_from_hostnames(names) == Topology(*want), names
+    for names in ([], ["a", "b", "b"], ["a", "b", "a"]):
+        with pytest.raises(TopologyError):
+            topology_from_hostnames(names)
+    assert Topology(3, 2).node_of(5) == 2 and Topology(3, 2).node_of(1) == 0
+    assert Topology.parse("1x1") == Topology(1, 1) and Topology(1, 1).world_size == 1
+
+
+def test_topology_is_a_value():
+    """Frozen and hashable: usable as a key (equal layouts, one key), never changed in place."""
+    import dataclasses
+    assert {Topology(2, 2): "a"}[Topology.parse("2x2")] == "a"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Topology(2, 2).nodes = 3
