@@ -144,7 +144,10 @@ def test_subset_topology_of_groups():
     for ranks, want in (([2, 3], "1x2"), ([1, 2], "2x1"), ([0, 1, 2, 3], "2x2"), ([3], "1x1"),
                         ([2, 3, 0, 1], "2x2"), ([0], "1x1")):
         assert str(subset_topology(t, ranks)) == want, ranks
-    for ranks in ([], [0, 0], [-1, 0], [3, 4], [0, 2, 1, 3], [0, 1, 2]):
+    # members interleaved across machines: group index i on machine (0, 1, 0, 1)[i]
+    inter = subset_topology(t, [0, 2, 1, 3])
+    assert str(inter) == "2x2" and [inter.node_of(i) for i in range(4)] == [0, 1, 0, 1]
+    for ranks in ([], [0, 0], [-1, 0], [3, 4], [0, 1, 2]):
         with pytest.raises(TopologyError):
             subset_topology(t, ranks)
 
