@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import xfuser_swiftfusion as sf
-from support.reference import max_abs_err, rank_rows
+from support.reference import layer_inputs, max_abs_err, rank_rows
 from xfuser_swiftfusion import plan
 from xfuser_swiftfusion.emulation import cuda_capture as cc
 from xfuser_swiftfusion.emulation.launcher import run_emulated
@@ -187,11 +187,7 @@ def _strategies_rank(cases: list[tuple]) -> list[dict]:
                                        options={"cuda_graphs": True, **options}) as ctx:
             for call in range(3):
                 g = torch.Generator().manual_seed(100 * call + H + Tj)
-                q = torch.randn(B, H, L, D, generator=g).to(dtype)
-                k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
-                jq = torch.randn(B, H, Tj, D, generator=g).to(dtype)
-                jk, jv = (torch.randn(B, Hkv, Tj, D, generator=g).to(dtype) for _ in range(2))
-                mask = (torch.rand(B, L, generator=g) > 0.3) if masked else None
+                q, k, v, jq, jk, jv, mask = layer_inputs(g, B, H, Hkv, L, Tj, D, dtype, masked)
                 kw = dict(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy="rear") if Tj else {}
                 if masked:
                     kw["key_mask"] = mask

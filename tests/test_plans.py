@@ -16,7 +16,7 @@ from xfuser_swiftfusion import plan
 from xfuser_swiftfusion.emulation.launcher import run_emulated
 from xfuser_swiftfusion.strategies.planned import PlanCache, graphs_requested
 from xfuser_swiftfusion.strategies.torus import TEXT, Launch, fused_schedule, torus_schedule
-from support.reference import max_abs_err, rank_rows
+from support.reference import layer_inputs, max_abs_err, rank_rows
 
 
 # --- plan.py ------------------------------------------------------------------------------
@@ -249,11 +249,7 @@ def _repeated_calls_rank(strategy: str, launches: str, cases: list[tuple]) -> li
             errs = []
             for call in range(3):
                 g = torch.Generator().manual_seed(1000 * call + 10 * Tj + Hkv)
-                q = torch.randn(B, H, L, D, generator=g).to(dtype)
-                k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
-                jq = torch.randn(B, H, Tj, D, generator=g).to(dtype)
-                jk, jv = (torch.randn(B, Hkv, Tj, D, generator=g).to(dtype) for _ in range(2))
-                mask = (torch.rand(B, L, generator=g) > 0.3) if masked else None
+                q, k, v, jq, jk, jv, mask = layer_inputs(g, B, H, Hkv, L, Tj, D, dtype, masked)
                 kw = dict(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy="rear") if Tj else {}
                 if masked:
                     kw["key_mask"] = mask

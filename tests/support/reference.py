@@ -88,3 +88,16 @@ def rank_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, worl
 def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |out - ref|`` in fp64 (shapes must match)."""
     return (out.double() - ref).abs().max().item()
+
+
+def layer_inputs(g: torch.Generator, B: int, H: int, Hkv: int, L: int, Tj: int, D: int,
+                 dtype: torch.dtype, masked: bool) -> tuple[torch.Tensor, ...]:
+    """Random inputs of one layer from ``g``: ``q [B, H, L, D]``, ``k, v [B, Hkv, L, D]``,
+    text ``jq [B, H, Tj, D]``, ``jk, jv [B, Hkv, Tj, D]`` and a bool key mask ``[B, L]`` (about
+    70 % True; None unless ``masked``), in that order."""
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+    jq = torch.randn(B, H, Tj, D, generator=g).to(dtype)
+    jk, jv = (torch.randn(B, Hkv, Tj, D, generator=g).to(dtype) for _ in range(2))
+    mask = (torch.rand(B, L, generator=g) > 0.3) if masked else None
+    return q, k, v, jq, jk, jv, mask
