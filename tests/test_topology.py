@@ -76,6 +76,78 @@ def test_gcd_limits_ulysses_and_torus_readiness():
         choose_mesh(Topology(2, 2), 8, "tas", ulysses_degree=2, ring_degree=4)
 
 
+def test_ring_degree_alone_sets_the_ulysses_degree():
+    """A ring degree given without a Ulysses degree: P_u = W / P_r, groups drawn by hand
+    (2 x 4 GPUs, 8 heads); a ring degree that does not divide W = 8 is refused."""
+    topo = Topology(2, 4)
+    for ring, ulysses in ((1, 8), (2, 4), (4, 2), (8, 1)):
+        m = choose_mesh(topo, 8, "tas", ring_degree=ring)
+        assert (m.ulysses, m.ring) == (ulysses, ring), ring
+    m = choose_mesh(topo, 8, "tas", ring_degree=2)
+    assert m.ring_groups == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert m.ulysses_groups == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert (m.torus, m.ulysses_intra) == (2, 2) and m.torus_ready
+    for ring in (3, 5, 16):
+        with pytest.raises(TopologyError, match=f"ring degree {ring} does not divide the SP world size 8"):
+            choose_mesh(topo, 8, "tas", ring_degree=ring)
+
+
+def _torus_ready_by_hand(nodes: int, gpus: int, ulysses: int, placement: str) -> bool:
+    """torus_ready from its contract, over machine-major slots (machine = slot // M): every
+    ring group on one machine, every Ulysses group U consecutive members on each of T
+    machines. Slot grids: ``tas`` rows of P_r slots are ring groups (columns Ulysses
+    groups); ``usp`` rows of P_u slots are Ulysses groups (columns ring groups)."""
+    ring = nodes * gpus // ulysses
+    if placement == "tas":
+        grid = [[g * ring + r for r in range(ring)] for g in range(ulysses)]
+        rings, ulys = grid, [list(c) for c in zip(*grid)]
+    else:
+        grid = [[r * ulysses + g for g in range(ulysses)] for r in range(ring)]
+        ulys, rings = grid, [list(c) for c in zip(*grid)]
+    if any(len({s // gpus for s in grp}) != 1 for grp in rings):
+        return False
+    for grp in ulys:
+        runs = [[grp[0] // gpus]]  # machines of consecutive members, run by run
+        for s in grp[1:]:
+            if s // gpus == runs[-1][0]:
+                runs[-1].append(s // gpus)
+            else:
+                runs.append([s // gpus])
+        if len({r[0] for r in runs}) != len(runs) or len({len(r) for r in runs}) != 1:
+            return False
+    return True
+
+
+def test_torus_ready_against_its_contract():
+    """torus_ready on every mesh of every N x M <= 24 GPUs (both placements, every Ulysses
+    degree dividing W, node-major and interleaved rank orders) equals the contract computed
+    by hand over slots, and its closed form: N = 1, or ``tas`` with P_r | M, or ``usp`` with
+    P_r = 1. (Once the ring groups fit machines the Ulysses groups always fit the contract.)"""
+    from xfuser_swiftfusion.mesh import Mesh
+    seen = {True: 0, False: 0}
+    for n in range(1, 7):
+        for g in range(1, 7):
+            w = n * g
+            if w > 24:
+                continue
+            interleaved = Topology.from_machines([i % n for i in range(w)])  # rank i on machine i % N
+            for topo in (Topology(n, g), interleaved):
+                for pu in (d for d in range(1, w + 1) if w % d == 0):
+                    pr = w // pu
+                    for placement in ("tas", "usp"):
+                        mesh = Mesh(topo, pu, pr, placement)
+                        want = _torus_ready_by_hand(n, g, pu, placement)
+                        closed = n == 1 or (placement == "tas" and g % pr == 0) or \
+                            (placement == "usp" and pr == 1)
+                        assert want == closed, (n, g, pu, placement)
+                        assert mesh.torus_ready == want, (topo, topo.order, pu, placement)
+                        seen[want] += 1
+    assert seen[True] > 50 and seen[False] > 50
+    # by hand: 2 x 4, usp, P_u = 4: ring group (0, 4) spans both machines
+    assert not Mesh(Topology(2, 4), 4, 2, "usp").torus_ready
+    assert Mesh(Topology(2, 4), 4, 2, "tas").torus_ready
+
+
 def test_volume_hand_computed_4x8():
     # 4 x 8 GPUs, 24 heads: X = BLHD/32 per GPU; TAS sends 6/8 of Q, K, V, O off-machine = 3X,
     # USP's ring crosses machines every step: 2X * (R - 1) = 6X.
