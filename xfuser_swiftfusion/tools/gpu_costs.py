@@ -37,8 +37,8 @@ merge on an H100) until a committed run has USP's row.
 row (GPU time with the host ahead, host time), the check ``tests/test_gpu_costs.py`` holds.
 
 ``advice_table``: what ``plan`` predicts for the replay's models on the measured ``p5`` and
-``p4de``, the table docs/cost-model.md and BENCHMARKS.md show (tests/test_gpu_costs.py checks
-they do, and that ``plan`` prints the same).
+``p4de``, the table docs/cost-model.md shows (tests/test_gpu_costs.py checks
+it does, and that ``plan`` prints the same).
 
 Command (CPU only, reads the run's rows; ``--advice``: the table too):
     python -m xfuser_swiftfusion.tools.gpu_costs benchmarks/gpu/h100-6230d7a [--advice]
