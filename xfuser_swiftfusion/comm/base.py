@@ -48,8 +48,6 @@ from .errors import CommTimeout, PeerFailure
 QUEUES = ("ring", "other")
 
 
-
-
 @dataclass
 class ByteCounter:
     """Payload bytes of the transfers this rank initiated, split by machine of the peer.

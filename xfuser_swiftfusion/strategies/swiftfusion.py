@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .. import plan
 from ..comm.base import Handle, OneSided
+from ..comm.nvshmem import team_split_args
 from ..groups import SPGroups
 from ..log import get_logger, log_once
 from . import fp8
@@ -306,8 +307,11 @@ def _nvshmem_missing_anywhere() -> list[int]:
 
 def _strided(ranks: tuple[int, ...]) -> bool:
     """Whether ``ranks`` (sorted) are evenly strided, as ``team_split_strided`` needs."""
-    r = sorted(ranks)
-    return len(r) < 2 or r == [r[0] + i * (r[1] - r[0]) for i in range(len(r))]
+    try:
+        team_split_args(ranks)
+    except ValueError:
+        return False
+    return True
 
 
 def build_swiftfusion(a: BuildArgs) -> TorusAttention:
