@@ -20,3 +20,15 @@ def tiny_checkpoint_cache(tmp_path_factory):
     mp.setenv("SWIFTFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def sglang_child(tmp_path_factory):
+    """The session's one interpreter with SGLang imported (``support.sglang_env.Child``),
+    started as SGLang's worker bootstrap starts a worker, with ``$SWIFTFUSION_STRATEGY=torus``
+    and our entry point declared."""
+    from support import sglang_env
+    env = sglang_env.worker_env(tmp_path_factory.mktemp("sglang-entry"), "torus")
+    child = sglang_env.Child(env)
+    yield child
+    child.close()

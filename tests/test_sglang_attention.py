@@ -142,10 +142,10 @@ def emulate_cfg():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """All topologies in one child process that imports SGLang (the pytest process does not)."""
+def runs(sglang_child):
+    """All topologies in the session's SGLang child (the pytest process imports no SGLang)."""
     jobs = [(Path(__file__).stem, "emulate", (t,)) for t in TOPOLOGIES]
-    results = sglang_env.in_child(jobs + [(Path(__file__).stem, "emulate_cfg", ())])
+    results = sglang_child.run(jobs + [(Path(__file__).stem, "emulate_cfg", ())])
     return {**dict(zip(TOPOLOGIES, results)), "cfg": results[-1]}
 
 

@@ -1,14 +1,12 @@
 """The SGLang plugin loads through its entry point (``sglang.multimodal_gen.plugins``) in a fresh
-worker process, in the order SGLang's worker bootstrap uses, and hooks ``USPAttention.forward``
-only when a strategy is set; configuration errors are loud."""
+worker process, in the order SGLang's worker bootstrap uses (``sglang_env._bootstrap``; the
+session's SGLang child starts that way), and hooks ``USPAttention.forward`` only when a strategy
+is set; configuration errors are loud."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tomllib
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -19,65 +17,31 @@ _reason = sglang_env.absent()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
-GROUP = "sglang.multimodal_gen.plugins"
-
 # what runtime/managers/worker_bootstrap.py does before importing the GPU worker
 _WORKER = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from support.sglang_env import install_torchvision_stub
+from support.sglang_env import _bootstrap, install_torchvision_stub
 install_torchvision_stub()
-from sglang.multimodal_gen.runtime.platforms import initialize_current_platform
-initialize_current_platform()
-from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
-load_plugins()
-apply_plugin_hooks()
-from xfuser_swiftfusion.integrations import sglang as sfs
-from xfuser_swiftfusion.integrations.sglang import config
-print(json.dumps({"installed": sfs.installed(), "strategy": config.current().strategy}))
+print(json.dumps(_bootstrap()))
 """
 
 
-def _declared() -> str:
-    """Our entry point as pyproject.toml declares it."""
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return data["project"]["entry-points"][GROUP]["swiftfusion"]
-
-
-def _site(tmp_path: Path) -> Path:
-    """A folder for PYTHONPATH whose distribution declares the entry point, unless the installed
-    xfuser-swiftfusion already does (two plugins of one name make SGLang refuse all)."""
-    if any(ep.name == "swiftfusion" for ep in metadata.entry_points(group=GROUP)):
-        return tmp_path
-    info = tmp_path / "xfuser_swiftfusion_entry-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: xfuser-swiftfusion-entry\n"
-                                   "Version: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[{GROUP}]\nswiftfusion = {_declared()}\n")
-    return tmp_path
-
-
 def _worker(tmp_path: Path, strategy: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("SWIFTFUSION_STRATEGY", "SGLANG_PLUGINS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(_site(tmp_path)), str(ROOT)])
-    if strategy is not None:
-        env["SWIFTFUSION_STRATEGY"] = strategy
-    return subprocess.run([sys.executable, "-c", _WORKER, str(ROOT / "tests")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", _WORKER, str(sglang_env.ROOT / "tests")],
+                          env=sglang_env.worker_env(tmp_path, strategy), capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_declared_entry_point_resolves():
-    module, _, attr = _declared().partition(":")
+    module, _, attr = sglang_env.declared_entry_point().partition(":")
     from xfuser_swiftfusion.integrations.sglang import plugin
     assert module == plugin.__name__ and getattr(plugin, attr) is plugin.register
 
 
-def test_plugin_loads_in_a_fresh_worker(tmp_path):
-    done = _worker(tmp_path, "torus")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"installed": True,
-                                                                "strategy": "torus"}
+def test_plugin_loads_in_a_fresh_worker(sglang_child):
+    """The session's SGLang child starts as a fresh worker with $SWIFTFUSION_STRATEGY=torus."""
+    assert sglang_child.bootstrap == {"installed": True, "strategy": "torus"}
 
 
 @pytest.mark.slow

@@ -6,14 +6,15 @@ does before loading a model. SGLang's Ring on CPU is refused at layer constructi
 returns no LSE: "Ring Attention requires a backend whose kernel exposes the softmax LSE"), so
 its baseline here is Ulysses over all ranks; our strategies choose their own mesh. SGLang's
 CPU custom ops call ``sgl_kernel``'s CPU build (``torch.ops.sgl_kernel.*_cpu``), which the
-``--no-deps`` install lacks: ``setup`` dispatches them to their ``forward_native`` (in the rank
-process only).
+``--no-deps`` install lacks: ``setup`` registers its stand-ins (``support.sgl_kernel_cpu``).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch.distributed as dist
+
+from . import sgl_kernel_cpu
 
 
 def default_server_args():
@@ -34,7 +35,7 @@ def setup(ulysses: int | None = None, ring: int = 1, cfg: int = 1) -> None:
     group of ``world / cfg`` contiguous ranks split ``ulysses`` x ``ring``."""
     from sglang.multimodal_gen.runtime.distributed import parallel_state as ps
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
-    _native_custom_ops()
+    sgl_kernel_cpu.install()
     rank, world = dist.get_rank(), dist.get_world_size()
     set_global_server_args(default_server_args())
     ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
@@ -42,21 +43,6 @@ def setup(ulysses: int | None = None, ring: int = 1, cfg: int = 1) -> None:
     ps.initialize_model_parallel(sequence_parallel_degree=sp, classifier_free_guidance_degree=cfg,
                                  ulysses_degree=ulysses or sp // ring, ring_degree=ring,
                                  backend="gloo")
-
-
-def _native_custom_ops() -> None:
-    """SGLang's custom ops run ``forward_native`` on CPU when sgl_kernel's CPU ops are absent."""
-    import torch
-    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
-    if hasattr(torch.ops.sgl_kernel, "fused_norm_scale_shift_cpu"):
-        return
-    dispatch = CustomOp.dispatch_forward
-
-    def dispatch_native(self):
-        method = dispatch(self)
-        return self.forward_native if getattr(method, "__name__", "") == "forward_cpu" else method
-
-    CustomOp.dispatch_forward = dispatch_native
 
 
 def teardown() -> None:
