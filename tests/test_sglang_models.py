@@ -197,3 +197,76 @@ def test_sglang_model_on_swiftfusion(runs, family):
         want = [f"SGLang attention calls with {r} run SGLang's own path (counted in "
                 "stats()['fallbacks'])" for r in expected] if rank == 0 else []
         assert logged == want, (family, rank, logged)
+
+
+def stand_ins():
+    """SGLang's CPU modulation layers on the sgl_kernel stand-ins, and an independent torch
+    reference (sglang's CPU test's formulas): max errors by case (runs in the SGLang child)."""
+    import torch.nn.functional as F
+
+    from sglang.multimodal_gen.runtime.layers import layernorm as ln
+    from sglang.multimodal_gen.runtime.layers.elementwise import MulAdd
+    from support import sgl_kernel_cpu
+    sgl_kernel_cpu.install()
+    B, S, C, frames, eps = 2, 6, 40, 3, 1e-6
+    g = torch.Generator().manual_seed(2)
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def norm(kind, x32, layer):
+        w = getattr(layer.norm, "weight", None)
+        if kind == "rms":
+            out = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+            return out if w is None else out * w
+        return F.layer_norm(x32, (C,), w, getattr(layer.norm, "bias", None), eps)
+
+    def wide(t):  # [B, C], [B, 1, C], [B, F, 1, C] -> broadcastable to [B, S, C]
+        if t.dim() == 2:
+            return t[:, None]
+        if t.dim() == 4:
+            return t.expand(-1, -1, S // t.shape[1], -1).reshape(t.shape[0], S, C)
+        return t
+
+    errs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind, one, res in (("layer", ln.LayerNormScaleShift, ln.ScaleResidualLayerNormScaleShift),
+                               ("rms", ln.RMSNormScaleShift, ln.ScaleResidualRMSNormScaleShift)):
+            for shape in ((B, C), (B, 1, C), (B, frames, 1, C)):
+                layer = one(C, eps=eps, elementwise_affine=True)
+                rlayer = res(C, eps=eps, elementwise_affine=True)
+                with torch.no_grad():
+                    for p in (*layer.parameters(), *rlayer.parameters()):
+                        p.copy_(rnd(*p.shape))
+                x, r = rnd(B, S, C, dtype=dtype), rnd(B, S, C, dtype=dtype)
+                scale, shift, gate = rnd(*shape), rnd(*shape), rnd(*shape)
+                ref = ((norm(kind, x.float(), layer).to(dtype).float() * (1 + wide(scale))
+                        + wide(shift)).to(dtype))
+                errs[(str(dtype), kind, shape, "norm")] = (layer(x, shift, scale).float()
+                                                           - ref.float()).abs().max().item()
+                r_out = (r.float() + x.float() * wide(gate)).to(dtype)
+                ref = ((norm(kind, r_out.float(), rlayer).to(dtype).float() * (1 + wide(scale))
+                        + wide(shift)).to(dtype))
+                out, r_got = rlayer(r, x, gate, shift, scale)
+                errs[(str(dtype), kind, shape, "residual")] = max(
+                    (out.float() - ref.float()).abs().max().item(),
+                    (r_got.float() - r_out.float()).abs().max().item())
+        # fuse_scale_shift_kernel's CPU path against MulAdd's own torch path (a * (k + b) + c)
+        mul_add = MulAdd()
+        from sglang.kernels.ops.diffusion import fuse_scale_shift_kernel
+        x = rnd(B, S, C, dtype=dtype)
+        for shape in ((B, 1, C), (B, frames, 1, C)):
+            scale, shift = rnd(*shape, dtype=dtype), rnd(B, S, C, dtype=dtype)
+            got = fuse_scale_shift_kernel(x, scale, shift, scale_constant=1.0)
+            errs[(str(dtype), "scale-shift", shape)] = (
+                got.float() - mul_add.forward_native(x, scale, shift, 1).float()).abs().max().item()
+    return errs
+
+
+def test_sgl_kernel_stand_ins(sglang_child):
+    """The stand-ins give SGLang's CPU modulation layers the kernels' documented arithmetic: fp32
+    exact to 1e-5; bf16 within one rounding step of the reference."""
+    (errs,) = sglang_child.run([(Path(__file__).stem, "stand_ins", ())])
+    assert len(errs) == 2 * (2 * 3 * 2 + 2)
+    for case, err in errs.items():
+        assert err < (1e-5 if "float32" in case[0] else 0.07), (case, err)
