@@ -100,3 +100,53 @@ def test_calls_our_strategies_do_not_take_are_named():
         assert why(SimpleNamespace(**{**vars(layer), name: value})) == reason
     sparse = SimpleNamespace(**{**vars(layer), "backend": SimpleNamespace(is_sparse=True, name="VSA")})
     assert why(sparse) == "sparse attention backend VSA"
+
+
+def _pre_exchange_rank():
+    """What Qwen-Image's call of SGLang's caller-side exchange gets, without and with a strategy
+    and after ``uninstall`` (an emulated rank; the exchange itself is CUDA-only, so a recorder
+    stands in for it: "exchanged" when it ran)."""
+    import torch.distributed as dist  # noqa: F401
+
+    from sglang.multimodal_gen.runtime.layers import usp
+    from support import sglang_ranks
+    from xfuser_swiftfusion.integrations import sglang as sfs
+    sglang_ranks.setup()
+    real = usp._ipc_input_a2a_qkv_segmented
+    ran = []
+
+    def recorder(*args):
+        ran.append(len(args))
+        return "exchanged"
+
+    def call():  # as qwen_image.py imports it: from the module, at the call
+        from sglang.multimodal_gen.runtime.layers.usp import _ipc_input_a2a_qkv_segmented
+        return _ipc_input_a2a_qkv_segmented(*range(7))
+
+    usp._ipc_input_a2a_qkv_segmented = recorder
+    try:
+        seen = [call()]
+        sfs.install("torus")
+        try:
+            seen.append(call())
+        finally:
+            sfs.uninstall()
+        seen.append(call())
+    finally:
+        usp._ipc_input_a2a_qkv_segmented = real
+        sglang_ranks.teardown()
+    return seen, ran
+
+
+def pre_exchange():
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    return run_emulated(_pre_exchange_rank, "1x2", timeout_s=120)
+
+
+def test_pre_exchange_declined_while_a_strategy_runs(sglang_child):
+    """With a strategy on, SGLang's caller-side Ulysses exchange (Qwen-Image's joint q/k/v on
+    CUDA) answers "unavailable", so the call reaches ``USPAttention`` sequence-sharded and runs
+    on the strategy; without one (before install, after uninstall) SGLang's exchange runs."""
+    (per_rank,) = sglang_child.run([(Path(__file__).stem, "pre_exchange", ())])
+    for seen, ran in per_rank:
+        assert seen == ["exchanged", None, "exchanged"] and ran == [7, 7], (seen, ran)

@@ -17,7 +17,8 @@ Modules (importing this package imports no SGLang):
 - ``config``: the strategy (``$SWIFTFUSION_STRATEGY`` or ``configure``);
 - ``calls``: which calls run on the strategy, and SGLang's ``[B, S, H, D]`` in our layout;
 - ``contexts``: one context per head count over SGLang's SP group (``active()``);
-- ``hooks``: the AROUND hook on ``USPAttention.forward`` (eager breaks under SGLang's
+- ``hooks``: the AROUND hook on ``USPAttention.forward`` (and one declining Qwen-Image's
+  caller-side Ulysses exchange while a strategy runs; eager breaks under SGLang's
   breakable CUDA graphs, a graph break under ``torch.compile``);
 - ``plugin``: the entry point's ``register`` and ``install`` / ``uninstall`` in a process.
 """

@@ -1,4 +1,5 @@
-"""The hook on ``USPAttention.forward`` (SGLang's ``HookType.AROUND``) and its bookkeeping.
+"""The hooks on ``USPAttention.forward`` and on Qwen-Image's caller-side exchange (SGLang's
+``HookType.AROUND``) and their bookkeeping.
 
 Every call goes to SGLang's own ``forward`` unless a strategy is configured, SP is on (more than
 one SP rank) and the call is one our strategies take (``calls.unsupported``); a call they do not
@@ -21,6 +22,9 @@ logger = get_logger(__name__)
 
 TARGET = "sglang.multimodal_gen.runtime.layers.attention.layer.USPAttention.forward"
 SHUTDOWN_TARGET = "sglang.multimodal_gen.runtime.distributed.parallel_state.destroy_model_parallel"
+# Qwen-Image's caller-side Ulysses exchange of its joint q/k/v (CUDA IPC, Ulysses degree 2); its
+# caller imports it from the module at each call, so a hook on the module attribute takes effect
+PRE_EXCHANGE_TARGET = "sglang.multimodal_gen.runtime.layers.usp._ipc_input_a2a_qkv_segmented"
 
 # fallbacks of calls made before any context exists (e.g. SP groups we cannot run on)
 unbound_fallbacks: Counter = Counter()
@@ -112,6 +116,19 @@ def uspattention_forward(original_fn, *args, **kwargs):
     out = self._new_bcg_output(*rest, **kwargs)
     _bcg_callable[0](self, cfg, rest, kwargs, out=out)
     return out
+
+
+def decline_pre_exchange(original_fn, *args, **kwargs):
+    """AROUND hook on SGLang's caller-side Ulysses exchange (``PRE_EXCHANGE_TARGET``): while a
+    strategy runs SGLang's attention it answers None, the exchange's own "unavailable" answer, so
+    the caller passes sequence-sharded q/k/v to ``USPAttention`` (its path without the IPC
+    exchange) and the call runs on the strategy instead of arriving already exchanged
+    (``qkv_pre_all_to_all``, which only SGLang's path can take)."""
+    cfg = config.current()
+    if (cfg.strategy is None or contexts.sp_world_size() < 2
+            or contexts.groups_unsupported() is not None):
+        return original_fn(*args, **kwargs)
+    return None
 
 
 def close_contexts(*args, **kwargs):

@@ -25,6 +25,7 @@ def _registry():
 def _register_hooks() -> None:
     from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
     plugin_hook(hooks.TARGET, HookType.AROUND)(hooks.uspattention_forward)
+    plugin_hook(hooks.PRE_EXCHANGE_TARGET, HookType.AROUND)(hooks.decline_pre_exchange)
     plugin_hook(hooks.SHUTDOWN_TARGET, HookType.BEFORE)(hooks.close_contexts)
 
 
@@ -38,14 +39,25 @@ def register() -> None:
     logger.info(f"SwiftFusion SGLang plugin: USPAttention on {cfg.strategy}")
 
 
-def _ours(fn) -> bool:
-    """True when ``fn`` or a function it wraps is SGLang's wrapper around our hook."""
+def _ours(fn, hook=hooks.uspattention_forward) -> bool:
+    """True when ``fn`` or a function it wraps is SGLang's wrapper around ``hook``."""
     while fn is not None:
         cells = getattr(fn, "__closure__", None) or ()
-        if any(_cell(c) is hooks.uspattention_forward for c in cells):
+        if any(_cell(c) is hook for c in cells):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
+
+
+def _hook_target(registry, hook_type, target: str, hook) -> None:
+    """Register ``hook`` (AROUND) on ``target`` unless the function there already runs it."""
+    import pkgutil
+    owner, _, name = target.rpartition(".")
+    if _ours(getattr(pkgutil.resolve_name(owner), name), hook):
+        return
+    registry._hooks.pop(target, None)  # a stale record (the function was replaced since)
+    registry._patched.discard(target)
+    registry.register(target, hook, hook_type.AROUND)
 
 
 def _cell(cell):
@@ -74,6 +86,7 @@ def install(strategy: str | None = None, comm: str = "auto", options: dict | Non
         return
     registry, hook_type = _registry()
     registry.register(hooks.TARGET, hooks.uspattention_forward, hook_type.AROUND)
+    _hook_target(registry, hook_type, hooks.PRE_EXCHANGE_TARGET, hooks.decline_pre_exchange)
     if hooks.SHUTDOWN_TARGET not in registry._patched:
         registry.register(hooks.SHUTDOWN_TARGET, hooks.close_contexts, hook_type.BEFORE)
     registry.apply_hooks()
@@ -95,6 +108,7 @@ def uninstall() -> None:
     registry._hooks.pop(hooks.TARGET, None)
     registry._patched.discard(hooks.TARGET)
     config.configure(None)
+    # the pre-exchange hook stays, as the shutdown hook: without a strategy it calls through
 
 
 def _ours_directly(fn) -> bool:
