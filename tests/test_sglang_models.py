@@ -230,8 +230,9 @@ def stand_ins():
 
     errs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for kind, one, res in (("layer", ln.LayerNormScaleShift, ln.ScaleResidualLayerNormScaleShift),
-                               ("rms", ln.RMSNormScaleShift, ln.ScaleResidualRMSNormScaleShift)):
+        for kind, one, res in (
+                ("layer", ln.LayerNormScaleShift, ln.ScaleResidualLayerNormScaleShift),
+                ("rms", ln.RMSNormScaleShift, ln.ScaleResidualRMSNormScaleShift)):
             for shape in ((B, C), (B, 1, C), (B, frames, 1, C)):
                 layer = one(C, eps=eps, elementwise_affine=True)
                 rlayer = res(C, eps=eps, elementwise_affine=True)

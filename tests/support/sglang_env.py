@@ -209,6 +209,10 @@ def _bootstrap() -> dict:
     return {"installed": sfs.installed(), "strategy": config.current().strategy}
 
 
+class Unavailable(RuntimeError):
+    """SGLang's diffusion runtime does not import in the child (the one-line reason)."""
+
+
 class Child:
     """One interpreter with SGLang imported, serving test functions for the session."""
 
@@ -229,7 +233,7 @@ class Child:
                                f"{self.log_tail()}") from None
         if status == "skip":
             self.close()
-            raise RuntimeError(value)
+            raise Unavailable(value)
         self.bootstrap: dict = value  # what SGLang's plugin loading found in the fresh child
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -249,9 +253,10 @@ class Child:
             status, value = _recv(self._proc.stdout.fileno(), time.monotonic() + timeout_s)
         except (TimeoutError, EOFError) as exc:
             self.close()
-            raise RuntimeError(f"SGLang child: jobs {[j[:2] for j in jobs]} "
-                               f"{'timed out after %.0f s' % timeout_s if isinstance(exc, TimeoutError) else 'ended it'}:"
-                               f"\n{self.log_tail()}") from None
+            what = (f"timed out after {timeout_s:.0f} s" if isinstance(exc, TimeoutError)
+                    else "ended the child")
+            raise RuntimeError(f"SGLang child: jobs {[j[:2] for j in jobs]} {what}:\n"
+                               f"{self.log_tail()}") from None
         if status != "ok":
             raise RuntimeError(f"SGLang child job failed:\n{value}")
         return value
