@@ -597,7 +597,8 @@ def test_plan_and_auto_choose_between_levels(monkeypatch, tmp_path):
         for k, v in prof.transfers.items()})
     w = Workload(1, 16384, 24, 128, "bf16")
     best = {"2x4": min(c.latency_s for c in candidates(Topology(2, 4), w, prof)),
-            "4x2": min(c.latency_s for c in candidates(Topology(4, 2), w, hand))}
+            # usp runs on xFuser's groups, which follow the context's cut: not on the pairs
+            "4x2": min(c.latency_s for c in candidates(Topology(4, 2), w, hand) if c.strategy != "usp")}
     assert best["4x2"] < 0.9 * best["2x4"]
     assert rec["topology"] == "4x2" and rec["predicted_latency_s"] == pytest.approx(best["4x2"])
     monkeypatch.setenv(HARDWARE_ENV, name)
@@ -678,3 +679,27 @@ def test_two_hosts_of_nvlink_pairs_auto_runs_on_the_pairs(tmp_path):
         assert len(said) == (1 if rank == 0 else 0), said
     assert "2x4 (pairs): " in res[0][2][0] and "; 4x2 (pairs@pairs): " in res[0][2][0]
     assert res[0][2][0].endswith("runs on 4x2")
+
+
+def test_bench_layer_limits_carry_the_docs_figures():
+    """``bench_layer.py --islands``' JSON fields behind docs/one-box.md's table, on the
+    stored run's torus and usp rows (figures by hand: 150 Mbit/s = 18.75 MB/s)."""
+    from support.scripts import load_script
+    bench = load_script("bench_layer")
+    row = lambda s, ran, u, lat, comp, nbytes: dict(  # noqa: E731
+        strategy=s, ran=ran, ran_as=ran, ulysses=u, world=8, latency_s=lat, compute_s=comp,
+        formula_total_bytes=nbytes)
+    rows = [row("usp", "usp", 8, 0.4027, 0.1762, 8388608),
+            row("torus", "torus", 8, 0.3294, 0.2021, 8388608),
+            row("usp@U2", "usp", 2, 0.6974, 0.3004, 12582912)]
+    summary = bench.add_limits(rows, 150, 2)
+    usp, torus, u2 = rows
+    assert torus["link_s"] == pytest.approx(8388608 / 2 / 18.75e6)          # 223.7 ms
+    assert torus["limit_s"] == torus["link_s"] and u2["limit_s"] == pytest.approx(0.3355, abs=1e-4)
+    assert torus["latency_over_limit"] == pytest.approx(0.3294 / 0.22370, rel=1e-3)   # 1.47
+    assert torus["floor_s"] == pytest.approx(0.22370 + 0.2021 / 4, rel=1e-3)          # 274.2 ms
+    assert "floor_s" not in usp and torus["split"] == "U8xR1" and u2["split"] == "U2xR4"
+    assert torus["speedup_vs_usp"] == pytest.approx(0.4027 / 0.3294)
+    assert summary["best"] == "torus" and summary["split"] == "U8xR1"
+    assert summary["speedup_over_usp"] == pytest.approx({"U8xR1": 0.4027 / 0.3294,
+                                                         "U2xR4": 0.6974 / 0.3294})

@@ -185,12 +185,16 @@ def recommend_cut(options: Sequence[tuple[Topology, HardwareProfile]], workload:
                   ) -> tuple[int, list[Prediction], list[list[Prediction]]]:
     """``recommend`` on every cut of ``options`` (``cut_options``): the index of the cut
     whose pick is fastest (ties, within 0.1 %, to the earlier: the coarser cut), every cut's
-    pick and every cut's candidates."""
+    pick and every cut's candidates. On the finer cuts only strategies on this package's own
+    groups compete (``external=False``): groups built outside it (xFuser's, once per process)
+    follow the first cut, the one the context is built on."""
     picks, cands = [], []
-    for topo, prof in options:
-        c = candidates(topo, workload, prof, pad_heads)
+    for j, (topo, prof) in enumerate(options):
+        ext = external and j == 0
+        c = [p for p in candidates(topo, workload, prof, pad_heads)
+             if ext or not get(p.strategy).external_groups]
         cands.append(c)
-        picks.append(recommend(topo, workload, prof, usp_ulysses, external, pad_heads, cands=c))
+        picks.append(recommend(topo, workload, prof, usp_ulysses, ext, pad_heads, cands=c))
     ref = picks[0].latency_s
     i = min(range(len(picks)), key=lambda j: (round(picks[j].latency_s / ref, 3), j))
     return i, picks, cands

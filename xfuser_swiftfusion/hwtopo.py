@@ -298,7 +298,8 @@ def _inner(members: list[GpuProbe]) -> str:
 def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIslands:
     """Every rank's machine from its host and its probe (rank order). Hosts keep separating
     machines; on one host the islands are the machines; across hosts the network is the
-    slowest level, so each host is one machine (its islands are only described)."""
+    slowest level, so each host is one machine. ``cuts``: that cut, then the finer ones that
+    compete with it (a host's faster tiers; hosts x islands where every host is cut alike)."""
     hosts: dict[str, list[int]] = {}
     for r, h in enumerate(hostnames):
         hosts.setdefault(h, []).append(r)

@@ -18,7 +18,8 @@ profile and topology (``cost_model.why_baseline``).
 Competing levels (``hwtopo.Cut``): where detection found finer cuts of the ranks than the
 topology the context was built on (NVLink pairs inside a socket's island; hosts x islands),
 ``auto`` compares its pick on every cut the profile has rates for (``levels``;
-``cost_model.recommend_cut``) and builds the child on the fastest cut's mesh; rank 0 logs the
+``cost_model.recommend_cut``: on a finer cut not the strategies on xFuser's groups) and
+builds the child on the fastest cut's mesh; rank 0 logs the
 comparison once per shape. Every finer cut refines the context's machines, so the
 communicators built for those stay valid (a peer inside a finer machine is inside a
 coarser one).
@@ -136,6 +137,7 @@ class AutoAttention:
     transfers)."""
 
     detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
+    cuts: tuple[Topology, ...] = ()      # finer cuts that compete with the topology (docstring)
 
     def __init__(self, args: BuildArgs) -> None:
         self.args = args
@@ -148,7 +150,7 @@ class AutoAttention:
         self.detected = last_detection()
         # finer cuts of the ranks that compete with the context's topology (module docstring)
         self.cuts = finer_cuts(self.detected, self.topology, args.groups.members)
-        self.topologies: dict[tuple, Topology] = {}  # signature -> the cut its child runs on
+        self.topologies: dict[tuple, Topology] = {}  # signature -> its cut, where cuts compete
 
     def _external_ulysses(self) -> int | None:
         """The only Ulysses degree a strategy on external groups can run now: the option
@@ -198,7 +200,8 @@ class AutoAttention:
             key = (best.strategy, best.ulysses)
             child = self._by_signature[sig] = self._child(*key, best.heads, topo)
             self.choices[sig] = key
-            self.topologies[sig] = topo
+            if cmp:
+                self.topologies[sig] = topo
             if self.rank == 0 and cmp:
                 _, compared, missing = cmp
                 log_once(logger, f"auto-cut-{sig}", "auto: levels compete: " + "; ".join(
