@@ -577,7 +577,7 @@ def test_bridged_profiles_carry_the_pairs_rates():
     assert [str(t) for t, _ in host_topologies(1, 8, GPU_PROFILES["l40s-2s"])] == ["2x4"]
 
 
-def test_plan_and_auto_choose_between_levels(monkeypatch, tmp_path):
+def test_plan_and_auto_choose_between_levels(monkeypatch, capsys):
     """On the bridged box's datasheet profile the pairs win a Flux layer (torus across 4
     pairs), the sockets' cut stays the default where it ties: plan and auto agree, and the
     pick is the fastest of each cut's candidates predicted on that cut's rates."""
@@ -601,6 +601,13 @@ def test_plan_and_auto_choose_between_levels(monkeypatch, tmp_path):
             "4x2": min(c.latency_s for c in candidates(Topology(4, 2), w, hand) if c.strategy != "usp")}
     assert best["4x2"] < 0.9 * best["2x4"]
     assert rec["topology"] == "4x2" and rec["predicted_latency_s"] == pytest.approx(best["4x2"])
+    assert cli.main(["plan", "--hardware", name, "--nodes", "1", "--gpus-per-node", "8", "--heads",
+                     "24", "--seq-len", "16384", "--head-dim", "128"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("1 host of 8 GPUs in 2 islands (2x4")      # the table: the first cut
+    assert f"levels compete (the table above is the first cut's): 2x4 on {name}: " in text
+    assert (f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']} "
+            "on 4x2") in text
     monkeypatch.setenv(HARDWARE_ENV, name)
     detected = _host(fk.bridged_pairs(2), 8)
     cuts = finer_cuts(detected, Topology(2, 4))
