@@ -290,24 +290,52 @@ def split_name(s: str) -> tuple[str, int | None]:
     return name, int(deg) if deg else None
 
 
-def limits_table(rows: list[dict], link_mbit: float, machines: int) -> str:
-    """Per strategy: its latency beside its limit, ``max(compute, bytes one machine (island)
-    sends to the others / the link rate)`` (the counted bytes of all machines over
-    ``machines``: the strategies' traffic is the same from every machine): what a perfect
-    overlap of its own communication with its own compute would take; and the speedup over
-    ``usp`` at its default split."""
+TORUS_SCHEDULE = ("torus", "swiftfusion")  # strategies whose floor is link + compute / T^2
+
+
+def add_limits(rows: list[dict], link_mbit: float, machines: int) -> dict:
+    """Per row (one topology's, in place): ``split`` (``U<u>xR<r>``), ``link_s`` (the counted
+    bytes of all machines over ``machines``, at the line rate: the strategies' traffic is the
+    same from every machine), ``limit_s`` = max(compute, link): what a perfect overlap of its
+    own communication with its own compute would take, ``latency_over_limit``,
+    ``speedup_vs_usp`` (usp at its default split over this row); Torus-schedule rows also
+    ``floor_s`` = link + compute / T^2 (T = ``machines``: the last Pull-KV stage's query block
+    against its K/V block precedes its output's push, docs/one-box.md). Returns the summary:
+    the fastest row, its latency / limit and its speedup over every usp split."""
     from xfuser_swiftfusion.emulation.netns import LinkSpec
     rate = LinkSpec(link_mbit).bytes_per_s
     base = next(r["latency_s"] for r in rows if r["strategy"] == "usp")
+    for r in rows:
+        r["split"] = f"U{r['ulysses']}xR{r['world'] // r['ulysses']}"
+        r["link_s"] = r["formula_total_bytes"] / machines / rate
+        r["limit_s"] = max(r["compute_s"], r["link_s"])
+        r["latency_over_limit"] = r["latency_s"] / r["limit_s"]
+        r["speedup_vs_usp"] = base / r["latency_s"]
+        if r["ran"] in TORUS_SCHEDULE:
+            r["floor_s"] = r["link_s"] + r["compute_s"] / machines ** 2
+    best = min(rows, key=lambda r: r["latency_s"])
+    return {"best": best["strategy"], "split": best["split"], "latency_s": best["latency_s"],
+            "limit_s": best["limit_s"], "latency_over_limit": best["latency_over_limit"],
+            "floor_s": best.get("floor_s"),
+            "speedup_over_usp": {r["split"]: r["latency_s"] / best["latency_s"]
+                                 for r in rows if r["ran"] == "usp"}}
+
+
+def limits_table(rows: list[dict], link_mbit: float, machines: int) -> str:
+    """``add_limits``'s figures as a table, fastest first, and the summary line."""
+    summary = add_limits(rows, link_mbit, machines)
     out = ["| strategy | ran as | U x R | latency ms | compute ms | link ms | limit ms | "
-           "latency / limit | speedup vs usp |", "|---|---|---|---|---|---|---|---|---|"]
+           "latency / limit | speedup vs usp | floor ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["latency_s"]):
-        W = r["world"]
-        link_s = r["formula_total_bytes"] / machines / rate
-        limit = max(r["compute_s"], link_s)
-        out.append(f"| {r['strategy']} | {r['ran_as']} | U{r['ulysses']}xR{W // r['ulysses']} | "
-                   f"{r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {link_s * 1e3:.1f} | "
-                   f"{limit * 1e3:.1f} | {r['latency_s'] / limit:.2f} | {base / r['latency_s']:.2f} |")
+        floor = f"{r['floor_s'] * 1e3:.1f}" if "floor_s" in r else "-"
+        out.append(f"| {r['strategy']} | {r['ran_as']} | {r['split']} | "
+                   f"{r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {r['link_s'] * 1e3:.1f} | "
+                   f"{r['limit_s'] * 1e3:.1f} | {r['latency_over_limit']:.2f} | "
+                   f"{r['speedup_vs_usp']:.2f} | {floor} |")
+    over = ", ".join(f"{x:.2f}x over usp {k}" for k, x in
+                     sorted(summary["speedup_over_usp"].items(), key=lambda kv: kv[1]))
+    out.append(f"\nfastest: {summary['best']} {summary['split']}, {summary['latency_over_limit']:.2f}x "
+               f"its limit; {over}")
     return "\n".join(out)
 
 
@@ -582,11 +610,13 @@ def main() -> int:
     cmd = " ".join([os.path.relpath(sys.executable), *sys.argv])
     md = markdown(rows, a.quick)
     print(f"`{cmd}` ({time.time() - t0:.0f} s)\n\n{md}")
+    limits = {}   # per topology: add_limits' summary (the rows gain its fields)
     if a.islands and a.link_mbit and not a.quick:
         for topo_s in topos:
             print(f"\n{topo_s} as one host of islands, {a.link_mbit:g} Mbit/s between them:\n")
-            print(limits_table([r for r in rows if r["topo"] == topo_s], a.link_mbit,
-                               Topology.parse(topo_s).nodes))
+            here = [r for r in rows if r["topo"] == topo_s]
+            print(limits_table(here, a.link_mbit, Topology.parse(topo_s).nodes))
+            limits[topo_s] = add_limits(here, a.link_mbit, Topology.parse(topo_s).nodes)
     if a.quick:
         bad = [r for r in rows if r["bytes_ok"] is False or r["err"] > (1e-5 if dtype == "fp32" else 3e-2)]
         if bad:
@@ -598,7 +628,8 @@ def main() -> int:
     commit = _commit()
     path = out.with_suffix(".json")
     with open(path, "w") as f:
-        json.dump({"command": cmd, "commit": commit, "cpu": host_cpu(), "rows": rows}, f, indent=1)
+        json.dump({"command": cmd, "commit": commit, "cpu": host_cpu(), "rows": rows,
+                   **({"limits": limits} if limits else {})}, f, indent=1)
     print(f"wrote {path}")
     return 0
 

@@ -511,3 +511,202 @@ def test_interleaved_islands_under_xfusers_usp_and_auto():
     for per, _ in out:
         for name, ran, topo, mesh, err, inter in per:
             assert topo.order == (0, 2, 4, 6, 1, 3, 5, 7) and err <= 1e-5, (name, ran, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# competing levels: NVLink pairs inside a socket's island; hosts x islands on a cluster
+# ---------------------------------------------------------------------------------------------
+
+def test_bridged_pairs_on_two_sockets_offer_both_levels():
+    found = _host(fk.bridged_pairs(2), 8)
+    assert [(c.machine_of, c.gpus, c.level) for c in found.cuts] == [
+        ((0, 0, 0, 0, 1, 1, 1, 1), 4, "socket interconnect"),     # the default: the sockets
+        ((0, 0, 1, 1, 2, 2, 3, 3), 2, "NUMA node")]               # the NVLink pairs
+    assert tuple(found.machine_of) == found.cuts[0].machine_of
+    assert "levels compete: 2x4 (cut at the socket interconnect), 4x2" in found.description
+    # one level only: no competition
+    for nvml, n in ((fk.two_socket_pcie(), 8), (fk.dgx1(), 8), (fk.nvswitch(), 8),
+                    (fk.bridged_pairs(1, 4), 4)):
+        assert len(_host(nvml, n).cuts) == 1
+    # interleaved ranks: the pairs are mapped as the sockets are
+    found = _host(fk.bridged_pairs(2), 8, "0,4,1,5,2,6,3,7")
+    assert found.cuts[1].machine_of == (0, 1, 0, 1, 2, 3, 2, 3)
+
+
+def _probes(nvml, n: int, visible: str | None = None) -> list[hwtopo.GpuProbe]:
+    return [hwtopo.probe(nvml, None, lr, visible) for lr in range(n)]
+
+
+def test_hosts_by_islands_compete_with_hosts():
+    pairs = _probes(fk.bridged_pairs(1, 4), 4)
+    found = hwtopo.host_islands(["a"] * 4 + ["b"] * 4, pairs + pairs)
+    assert found.machine_of == [0, 0, 0, 0, 1, 1, 1, 1] and found.hosts == 2
+    assert [(c.machine_of, c.gpus, c.level) for c in found.cuts] == [
+        ((0, 0, 0, 0, 1, 1, 1, 1), 4, "network"), ((0, 0, 1, 1, 4, 4, 5, 5), 2, "NUMA node")]
+    assert Topology.from_machines(found.cuts[1].machine_of) == Topology(4, 2)
+    # two hosts of two sockets with bridged pairs: hosts, hosts x sockets, hosts x pairs
+    two = _probes(fk.bridged_pairs(2), 8)
+    found = hwtopo.host_islands(["a"] * 8 + ["b"] * 8, two + two)
+    assert [(c.machines, c.gpus) for c in found.cuts] == [(2, 8), (4, 4), (8, 2)]
+    # hosts cut differently (pairs vs one PCIe tree): no common cut, hosts only
+    found = hwtopo.host_islands(["a"] * 4 + ["b"] * 4,
+                                pairs + _probes(fk.two_socket_pcie(), 4, "0,1,2,3"))
+    assert len(found.cuts) == 1 and found.cuts[0].level == "network"
+    # interleaved on one host: its islands mapped by rank
+    il = _probes(fk.bridged_pairs(1, 4), 4, "0,2,1,3")
+    found = hwtopo.host_islands(["a"] * 4 + ["b"] * 4, il + pairs)
+    assert found.cuts[1].machine_of == (0, 1, 0, 1, 4, 4, 5, 5)
+
+
+def test_bridged_profiles_carry_the_pairs_rates():
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, host_topologies
+    from xfuser_swiftfusion.hardware import load_profile, save_profile
+    a100 = GPU_PROFILES["a100-pcie-2s"]
+    pairs = a100.at_level(2)
+    # by hand: NVLink bridge 300 GB/s inside; across pairs each pair's 2 x 25 GB/s of PCIe, but
+    # 2 of its 3 peers sit on the other socket, whose 40 GB/s link 2 pairs share: 40 / (2 * 2/3)
+    assert pairs.transfers["all_to_all"]["intra"].bw == 300e9
+    assert pairs.transfers["all_to_all"]["inter"].bw == pytest.approx(30e9)
+    assert pairs.transfers["put"]["inter"].latency_s == a100.transfers["put"]["inter"].latency_s
+    assert pairs.inter_gpu_bw == 25e9 and pairs.island_gpus == 2 and pairs.p2p
+    h100 = GPU_PROFILES["h100-pcie-2s-datasheet"].at_level(2)
+    assert h100.transfers["exchange"]["inter"].bw == pytest.approx(48e9)   # 64 / (4/3) < 2 x 50
+    assert GPU_PROFILES["l40s-2s"].levels == () and GPU_PROFILES["l40s-2s"].at_level(2) is None
+    assert a100.at_level(4) is None
+    assert [str(t) for t, _ in host_topologies(1, 8, a100)] == ["2x4", "4x2"]
+    assert [str(t) for t, _ in host_topologies(1, 8, GPU_PROFILES["l40s-2s"])] == ["2x4"]
+
+
+def test_plan_and_auto_choose_between_levels(monkeypatch, capsys):
+    """On the bridged box's datasheet profile the pairs win a Flux layer (torus across 4
+    pairs), the sockets' cut stays the default where it ties: plan and auto agree, and the
+    pick is the fastest of each cut's candidates predicted on that cut's rates."""
+    from dataclasses import replace
+    from xfuser_swiftfusion.cost_model import (GPU_PROFILES, Workload, candidates, host_topologies)
+    from xfuser_swiftfusion.hardware import HARDWARE_ENV
+    from xfuser_swiftfusion.strategies.auto import choose_cut, finer_cuts
+    from xfuser_swiftfusion.tools import cli
+    name = "a100-pcie-2s-datasheet"
+    p = cli.plan(1, 8, 24, 16384, 128, hardware=name)
+    rec = p["recommended"]
+    assert [c["topology"] for c in rec["cuts"]] == ["2x4", "4x2"]
+    # independently: each cut's fastest candidate on a profile whose bandwidths are set by hand
+    prof = GPU_PROFILES[name]
+    hand = replace(prof, inter_gpu_bw=25e9, transfers={
+        k: {"intra": replace(v["intra"], bw=300e9), "inter": replace(v["inter"], bw=30e9)}
+        for k, v in prof.transfers.items()})
+    w = Workload(1, 16384, 24, 128, "bf16")
+    best = {"2x4": min(c.latency_s for c in candidates(Topology(2, 4), w, prof)),
+            # usp runs on xFuser's groups, which follow the context's cut: not on the pairs
+            "4x2": min(c.latency_s for c in candidates(Topology(4, 2), w, hand) if c.strategy != "usp")}
+    assert best["4x2"] < 0.9 * best["2x4"]
+    assert rec["topology"] == "4x2" and rec["predicted_latency_s"] == pytest.approx(best["4x2"])
+    assert cli.main(["plan", "--hardware", name, "--nodes", "1", "--gpus-per-node", "8", "--heads",
+                     "24", "--seq-len", "16384", "--head-dim", "128"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("1 host of 8 GPUs in 2 islands (2x4")      # the table: the first cut
+    assert f"levels compete (the table above is the first cut's): 2x4 on {name}: " in text
+    assert (f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']} "
+            "on 4x2") in text
+    monkeypatch.setenv(HARDWARE_ENV, name)
+    detected = _host(fk.bridged_pairs(2), 8)
+    cuts = finer_cuts(detected, Topology(2, 4))
+    assert cuts == (Topology(4, 2),)
+    q = torch.empty(1, 24, 16384 // 8, 128, dtype=torch.bfloat16)
+    pick, _, prof_name, (at, compared, missing) = choose_cut(Topology(2, 4), 24, q, detected=detected,
+                                                             cuts=cuts, pad_heads=False)
+    assert at == 1 and not missing and prof_name == name
+    assert (pick.strategy, pick.ulysses) == (rec["strategy"], rec["ulysses_degree"])
+    # a profile without the pairs' rates: the sockets only, the pairs reported not compared
+    monkeypatch.setenv(HARDWARE_ENV, "l40s-2s-datasheet")
+    _, _, _, (at, compared, missing) = choose_cut(Topology(2, 4), 24, q, detected=detected,
+                                                  cuts=cuts, pad_heads=False)
+    assert at == 0 and len(compared) == 1 and missing == [Topology(4, 2)]
+    # a finer cut that does not refine the context's machines is not offered
+    assert finer_cuts(detected, Topology(2, 4, (0, 2, 4, 6, 1, 3, 5, 7))) == ()
+
+
+def _auto_on_two_hosts(profile: str):
+    """One rank of 2 emulated hosts of 4 GPUs in NVLink pairs (hostnames and NVML faked):
+    the detected topology, its cuts, torus and auto (on ``profile``) against fp64."""
+    import socket
+    from xfuser_swiftfusion.hardware import HARDWARE_ENV
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.pop(TOPOLOGY_ENV, None)
+    os.environ.update({"LOCAL_RANK": str(rank % 4), "LOCAL_WORLD_SIZE": "4",
+                       HARDWARE_ENV: profile})
+    socket.gethostname = lambda: f"host{rank // 4}"
+    sys.modules["pynvml"] = fk.bridged_pairs(1, 4)
+    lines = _Lines()
+    log = logging.getLogger("xfuser.swiftfusion")
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    H, L, D = 8, 128, 16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    S = L // world
+    ref = rank_rows(q, k, v, rank, world)
+    out = []
+    try:
+        for name in ("torus", "auto"):   # auto off xFuser's groups: no xFuser to load here
+            ctx = sf.init_sequence_parallel(name, H, timeout_s=60, options={"external": False})
+            try:
+                o = ctx.attention(*(x[:, :, rank * S:(rank + 1) * S] for x in (q, k, v)))
+                ran = (tuple(ctx._impl.topologies.values()) if name == "auto" else ctx.mesh.topology)
+                out.append((name, ctx.topology, ran, max_abs_err(o, ref)))
+            finally:
+                ctx.close()
+        cuts = [(c.machines, c.gpus) for c in hwtopo.last_detection().cuts]
+    finally:
+        log.removeHandler(lines)
+    return out, cuts, [x for x in lines.lines if x.startswith("auto: levels compete")]
+
+
+def test_two_hosts_of_nvlink_pairs_auto_runs_on_the_pairs(tmp_path):
+    """2 hosts x 2 NVLink pairs on 8 emulated ranks: the hosts are the machines (2x4), the
+    pairs (4x2) compete; with a profile whose pairs' rates make them faster, auto runs on the
+    4x2 cut (on the 2x4 context's communicators), exact; torus stays on the hosts."""
+    from dataclasses import replace
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES
+    from xfuser_swiftfusion.hardware import save_profile
+    base = GPU_PROFILES["p4de-datasheet"]
+    slow = replace(base, name="pairs", transfers={
+        k: {"intra": replace(v["intra"], bw=1e9), "inter": replace(v["inter"], bw=1e6)}
+        for k, v in base.transfers.items()},
+        levels=({"gpus": 2, "label": "pairs", "intra_bw": 300e9, "inter_bw": 50e9,
+                 "inter_gpu_bw": 25e9},))
+    path = tmp_path / "pairs.json"
+    save_profile(slow, path)
+    res = run_emulated(_auto_on_two_hosts, "2x4", str(path), timeout_s=300)
+    for rank, (rows, cuts, said) in enumerate(res):
+        assert cuts == [(2, 4), (4, 2)], (rank, cuts)
+        (_, t_topo, t_ran, t_err), (_, a_topo, a_ran, a_err) = rows
+        assert t_topo == Topology(2, 4) and t_ran == Topology(2, 4) and t_err <= 1e-5
+        assert a_topo == Topology(2, 4) and a_ran == (Topology(4, 2),) and a_err <= 1e-5, rows
+        assert len(said) == (1 if rank == 0 else 0), said
+    assert "2x4 (pairs): " in res[0][2][0] and "; 4x2 (pairs@pairs): " in res[0][2][0]
+    assert res[0][2][0].endswith("runs on 4x2")
+
+
+def test_bench_layer_limits_carry_the_docs_figures():
+    """``bench_layer.py --islands``' JSON fields behind docs/one-box.md's table, on the
+    stored run's torus and usp rows (figures by hand: 150 Mbit/s = 18.75 MB/s)."""
+    from support.scripts import load_script
+    bench = load_script("bench_layer")
+    row = lambda s, ran, u, lat, comp, nbytes: dict(  # noqa: E731
+        strategy=s, ran=ran, ran_as=ran, ulysses=u, world=8, latency_s=lat, compute_s=comp,
+        formula_total_bytes=nbytes)
+    rows = [row("usp", "usp", 8, 0.4027, 0.1762, 8388608),
+            row("torus", "torus", 8, 0.3294, 0.2021, 8388608),
+            row("usp@U2", "usp", 2, 0.6974, 0.3004, 12582912)]
+    summary = bench.add_limits(rows, 150, 2)
+    usp, torus, u2 = rows
+    assert torus["link_s"] == pytest.approx(8388608 / 2 / 18.75e6)          # 223.7 ms
+    assert torus["limit_s"] == torus["link_s"] and u2["limit_s"] == pytest.approx(0.3355, abs=1e-4)
+    assert torus["latency_over_limit"] == pytest.approx(0.3294 / 0.22370, rel=1e-3)   # 1.47
+    assert torus["floor_s"] == pytest.approx(0.22370 + 0.2021 / 4, rel=1e-3)          # 274.2 ms
+    assert "floor_s" not in usp and torus["split"] == "U8xR1" and u2["split"] == "U2xR4"
+    assert torus["speedup_vs_usp"] == pytest.approx(0.4027 / 0.3294)
+    assert summary["best"] == "torus" and summary["split"] == "U8xR1"
+    assert summary["speedup_over_usp"] == pytest.approx({"U8xR1": 0.4027 / 0.3294,
+                                                         "U2xR4": 0.6974 / 0.3294})

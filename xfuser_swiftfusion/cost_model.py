@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 from .hardware import (CPU_PROFILE_PATH, GPU_PROFILES, HARDWARE_ENV, LINK_ENV, PROFILES,
                        HardwareProfile, Rate, cpu_profile, get_profile, host_cpu, load_profile)
@@ -150,6 +151,55 @@ def host_topology(nodes: int, gpus_per_node: int, profile: HardwareProfile) -> T
     return Topology(gpus_per_node // i, i)
 
 
+def cut_options(topology: Topology, profile: HardwareProfile,
+                alternatives: Sequence[Topology] = ()) -> tuple[list[tuple[Topology, HardwareProfile]],
+                                                                list[Topology]]:
+    """The cuts the model compares: ``(topology, profile)`` first, then each finer cut of
+    ``alternatives`` (same ranks, fewer GPUs per machine) on the profile's rates for it
+    (``HardwareProfile.at_level``); second, the alternatives it has no rates for."""
+    out, missing = [(topology, profile)], []
+    for alt in alternatives:
+        if alt.world_size != topology.world_size or any(alt == t for t, _ in out):
+            continue
+        prof = profile.at_level(alt.gpus_per_node)
+        if prof is None:
+            missing.append(alt)
+        else:
+            out.append((alt, prof))
+    return out, missing
+
+
+def host_topologies(nodes: int, gpus_per_node: int,
+                    profile: HardwareProfile) -> list[tuple[Topology, HardwareProfile]]:
+    """``host_topology`` on ``profile`` first, then each finer cut the profile has rates for
+    (``levels``): ``nodes * gpus_per_node / k`` machines of ``k`` GPUs."""
+    topo = host_topology(nodes, gpus_per_node, profile)
+    W = topo.world_size
+    alts = [Topology(W // int(lv["gpus"]), int(lv["gpus"])) for lv in profile.levels
+            if 1 < int(lv["gpus"]) < topo.gpus_per_node and topo.gpus_per_node % int(lv["gpus"]) == 0]
+    return cut_options(topo, profile, alts)[0]
+
+
+def recommend_cut(options: Sequence[tuple[Topology, HardwareProfile]], workload: Workload,
+                  usp_ulysses: int | None = None, external: bool = True, pad_heads: bool = False
+                  ) -> tuple[int, list[Prediction], list[list[Prediction]]]:
+    """``recommend`` on every cut of ``options`` (``cut_options``): the index of the cut
+    whose pick is fastest (ties, within 0.1 %, to the earlier: the coarser cut), every cut's
+    pick and every cut's candidates. On the finer cuts only strategies on this package's own
+    groups compete (``external=False``): groups built outside it (xFuser's, once per process)
+    follow the first cut, the one the context is built on."""
+    picks, cands = [], []
+    for j, (topo, prof) in enumerate(options):
+        ext = external and j == 0
+        c = [p for p in candidates(topo, workload, prof, pad_heads)
+             if ext or not get(p.strategy).external_groups]
+        cands.append(c)
+        picks.append(recommend(topo, workload, prof, usp_ulysses, ext, pad_heads, cands=c))
+    ref = picks[0].latency_s
+    i = min(range(len(picks)), key=lambda j: (round(picks[j].latency_s / ref, 3), j))
+    return i, picks, cands
+
+
 def ulysses_degrees(topology: Topology, heads: int) -> list[int]:
     """Ulysses degrees that divide ``gcd(N*M, H)`` (every one gives a valid mesh)."""
     g = math.gcd(topology.world_size, heads)
@@ -229,5 +279,5 @@ def why_baseline(best: Prediction, cands: list[Prediction], profile: HardwarePro
 
 __all__ = ["BYTES", "CPU_PROFILE_PATH", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates", "cpu_profile",
-           "get_profile", "host_cpu", "host_topology", "inter_node_elements", "load_profile", "predict",
-           "programs", "recommend", "refused", "ulysses_degrees", "why_baseline"]
+           "cut_options", "get_profile", "host_cpu", "host_topologies", "host_topology", "inter_node_elements", "load_profile", "predict",
+           "programs", "recommend", "recommend_cut", "refused", "ulysses_degrees", "why_baseline"]

@@ -47,7 +47,12 @@ Rates (docs/cost-model.md):
   timeline runs on it;
 - ``p2p``: the GPUs of one host reach each other peer-to-peer (False: GeForce cards; the
   one-sided strategy, NVSHMEM, is refused there); ``island_gpus``: a one-box profile's GPUs
-  per island (``plan`` on one host of ``M`` GPUs then plans ``M / island_gpus`` islands).
+  per island (``plan`` on one host of ``M`` GPUs then plans ``M / island_gpus`` islands);
+- ``levels``: the rates of finer cuts that compete with the profile's own (``hwtopo.Cut``:
+  NVLink-bridged pairs inside a socket island, or hosts x islands on a cluster), each
+  ``{"gpus", "label", "intra_bw", "inter_bw", "inter_gpu_bw", "source"}``: the GPUs per
+  machine of that cut, the bandwidths of ``transfers`` inside and across its machines and a
+  GPU's own cap across them (``at_level``).
 
 File format (``format: swiftfusion-hardware/2``; ``/1`` files, without ``chunk_s``,
 ``merge_call_s``, ``baseline``, ``figures``, ``launches``, load with those at their defaults): the fields
@@ -121,6 +126,21 @@ class HardwareProfile:
     launches: str = "ring"
     p2p: bool = True                 # GPUs of one host reach each other peer-to-peer
     island_gpus: int | None = None   # one box: GPUs per island (its "machine"); None: a cluster
+    levels: tuple[dict, ...] = ()    # finer cuts' rates (module docstring)
+
+    def at_level(self, gpus: int) -> "HardwareProfile | None":
+        """The profile of the finer cut of ``gpus`` GPUs per machine (``levels``): its
+        bandwidths in ``transfers`` (latencies kept, no ``inter1`` rate), ``inter_gpu_bw``,
+        ``island_gpus`` and name; None where the profile has no rates for it."""
+        lv = next((x for x in self.levels if int(x["gpus"]) == gpus), None)
+        if lv is None:
+            return None
+        bw = {"intra": float(lv["intra_bw"]), "inter": float(lv["inter_bw"])}
+        transfers = {k: {loc: replace(r, bw=bw[loc]) for loc, r in v.items() if loc in bw}
+                     for k, v in self.transfers.items()}
+        return replace(self, name=f"{self.name}@{lv['label']}", transfers=transfers,
+                       inter_gpu_bw=lv.get("inter_gpu_bw", self.inter_gpu_bw),
+                       island_gpus=gpus if self.island_gpus else None, levels=())
 
     def rate(self, kind: str, locality: str, fanout: int | None = None) -> Rate:
         """The rate of ``kind`` at ``locality``; across machines with ``fanout`` 1 (the
@@ -183,6 +203,7 @@ class HardwareProfile:
         d = {k: v for k, v in d.items() if k != "format"}
         d["transfers"] = {k: {loc: Rate(**r) for loc, r in v.items()} for k, v in d["transfers"].items()}
         d["attention"] = table_from_json(d["attention"])
+        d["levels"] = tuple(dict(x) for x in d.get("levels", ()))
         if d.get("baseline", {}).get("attention"):
             d["baseline"] = {**d["baseline"], "attention": table_from_json(d["baseline"]["attention"])}
         missing = [f"{k}/{loc}" for k in KINDS for loc in LOCALITIES
@@ -270,7 +291,9 @@ class Box:
     per host, ``island_gpus`` per island (the mesh's "machine"), ``intra`` bytes/s per GPU
     and direction inside an island, ``link`` per island and direction to the other islands,
     ``nic`` one GPU's share of it (its PCIe link), ``p2p`` whether the GPUs reach each other
-    peer-to-peer (GeForce cards: no), ``flash`` attention FLOP/s (bf16, D=128)."""
+    peer-to-peer (GeForce cards: no), ``flash`` attention FLOP/s (bf16, D=128); ``bridge``:
+    bytes/s per direction of the NVLink bridge on pairs of GPUs (0: none), whose pairs then
+    compete with the islands as machines (``levels``); ``sockets``: islands per host."""
 
     gpu: str
     gpus: int
@@ -282,6 +305,26 @@ class Box:
     hbm: float
     p2p: bool
     source: str
+    bridge: float = 0.0
+    sockets: int = 2
+
+    def levels(self) -> tuple[dict, ...]:
+        """The NVLink pairs as machines (``HardwareProfile.levels``): NVLink inside a pair;
+        across pairs each GPU's PCIe link (``nic``) and, for the share of a pair's traffic
+        that leaves its socket (the other sockets' pairs among all others), the socket link
+        shared by the socket's pairs: per pair and direction the lesser of the two."""
+        if not self.bridge:
+            return ()
+        pairs = self.gpus // 2
+        per_socket = pairs // self.sockets
+        away = (pairs - per_socket) / (pairs - 1)
+        inter = min(2 * self.nic, self.link / (per_socket * away))
+        return ({"gpus": 2, "label": "NVLink pairs", "intra_bw": self.bridge, "inter_bw": inter,
+                 "inter_gpu_bw": self.nic,
+                 "source": (f"datasheet: NVLink bridge {self.bridge / 1e9:.0f} GB/s per direction "
+                            f"inside a pair; across pairs min(2 x PCIe {self.nic / 1e9:.0f}, socket "
+                            f"link {self.link / 1e9:.0f} / ({per_socket} pairs x {away:.2g} of the "
+                            f"traffic leaving the socket)) = {inter / 1e9:.0f} GB/s per pair")},)
 
 
 # PCIe 4.0 x16: 64 GB/s both ways (L40S, A100 PCIe datasheets), ~25 GB/s per direction
@@ -300,15 +343,15 @@ BOXES = {
                       "(GeForce driver): every copy through host memory, ~12.5 GB/s per GPU "
                       "(estimate); socket link ~25 GB/s (estimate); bf16 dense 165 TFLOP/s"),
     "a100-pcie-2s": Box("A100", 8, 4, _PCIE4, 40e9, _PCIE4, 200e12, 1.935e12, True,
-                        "8x A100 80GB PCIe, NVLink bridges on pairs (600 GB/s both ways, not "
-                        "modelled apart: an island's all-to-all crosses PCIe 4.0, ~25 GB/s per "
-                        "direction), 4 per socket; socket link ~40 GB/s (estimate); "
-                        "FlashAttention-2 ~200 TFLOP/s"),
+                        "8x A100 80GB PCIe, NVLink bridges on pairs (600 GB/s both ways: "
+                        "the pairs' level, 4x2; in a socket's island of 4 the all-to-all crosses "
+                        "PCIe 4.0, ~25 GB/s per direction), 4 per socket; socket link ~40 GB/s "
+                        "(estimate); FlashAttention-2 ~200 TFLOP/s", bridge=300e9),
     "h100-pcie-2s": Box("H100 PCIe", 8, 4, _PCIE5, 64e9, _PCIE5, 756e12 * _FA, 2.0e12, True,
-                        "8x H100 PCIe, NVLink bridges on pairs (600 GB/s both ways, not "
-                        "modelled apart: an island's all-to-all crosses PCIe 5.0, ~50 GB/s per "
-                        "direction), 4 per socket; socket link ~64 GB/s (estimate); bf16 dense "
-                        "756 TFLOP/s"),
+                        "8x H100 PCIe, NVLink bridges on pairs (600 GB/s both ways: the "
+                        "pairs' level, 4x2; in a socket's island of 4 the all-to-all crosses "
+                        "PCIe 5.0, ~50 GB/s per direction), 4 per socket; socket link ~64 GB/s "
+                        "(estimate); bf16 dense 756 TFLOP/s", bridge=300e9),
 }
 # NVML's device names -> the box profile (hwtopo's detection picks it for auto)
 BOX_OF_GPU = {"L40S": "l40s-2s", "RTX 4090": "rtx4090-2s", "A100 80GB PCIe": "a100-pcie-2s",
@@ -330,7 +373,7 @@ def _box_measured(name: str, b: Box) -> HardwareProfile:
                              f"{b.flash / 1e12:.0f} TFLOP/s, datasheet-derived, over "
                              f"{FLASH_SOURCE[ref]} on {ref})")}
     return replace(prof, transfers=sheet.transfers, inter_gpu_bw=b.nic, copy_bw=sheet.copy_bw,
-                   p2p=b.p2p, island_gpus=b.island_gpus, figures=figures,
+                   p2p=b.p2p, island_gpus=b.island_gpus, figures=figures, levels=b.levels(),
                    source=(f"links {b.source} (datasheet); compute and host: this code on "
                            f"{run['gpu']} at commit {run['commit']} ({run['dir']}, {run['date']}), "
                            f"kernel rates x {f:.3g} for the {b.gpu}"))
@@ -351,7 +394,7 @@ def _box(name: str, b: Box) -> HardwareProfile:
         transfers={"exchange": two, "all_to_all": two, "all_gather": two, "get": one, "put": one},
         barrier_s=20e-6, sync_s=10e-6, host_cores=None, host_waits=False, two_sided_fifo=True,
         inter_gpu_bw=b.nic, one_sided_depth=STREAMS_PER_QUEUE, p2p=b.p2p, island_gpus=b.island_gpus,
-        source=f"{b.source} (datasheet)",
+        levels=b.levels(), source=f"{b.source} (datasheet)",
         figures={"transfers": how, "attention": f"datasheet: {b.gpu} at {b.flash / 1e12:.0f} TFLOP/s",
                  "labelled": "datasheet"})
 FP32_SCALE = 19.5 / 312  # A100 datasheet: FP32 19.5 TFLOP/s against BF16 tensor cores 312

@@ -17,6 +17,13 @@ are the connected components of the links of faster tiers. All pairs NVLink, or 
 link at all (islands of one GPU): one island. Islands of unequal size cannot carry a mesh:
 the host is then one island.
 
+Competing levels (``island_cuts``, ``Cut``): a host with more than one tier below its slowest
+(NVLink-bridged pairs < host bridges < sockets) can also be cut at each faster tier (the pairs
+as machines). The slowest cut is the default, the finer ones alternatives, every cut a
+refinement of the default; across hosts the hosts are the default cut and hosts x islands
+(every host cut alike) the alternatives. The cost model chooses among them where its profile
+has the rates of a cut (``HardwareProfile.levels``; ``auto``, ``plan``).
+
 Each rank probes its own GPU against every GPU of the host (``probe``; NVML sees every GPU
 whatever ``CUDA_VISIBLE_DEVICES`` hides, so a rank's GPU is found by UUID, or by its entry
 in ``CUDA_VISIBLE_DEVICES``); ``detect_islands`` gathers the probes over the process group
@@ -62,9 +69,24 @@ class GpuProbe:
     index_of: dict[str, int] = field(default_factory=dict)  # every GPU's bus id -> NVML index
 
 
+@dataclass(frozen=True)
+class Cut:
+    """One way to cut the job's ranks into machines: ``machine_of`` (rank -> machine),
+    ``gpus`` per machine, and the level cut at in words (``LABELS``; ``network``: hosts)."""
+
+    machine_of: tuple[int, ...]
+    gpus: int
+    level: str
+
+    @property
+    def machines(self) -> int:
+        return len(set(self.machine_of))
+
+
 @dataclass
 class HostIslands:
-    """What ``detect_islands`` found: every rank's host and island, and why."""
+    """What ``detect_islands`` found: every rank's host and island, and why. ``cuts``: the
+    default cut (``machine_of``) first, then the finer ones that compete with it."""
 
     machine_of: list[int]           # rank -> machine (host x island), numbered by first rank
     hosts: int
@@ -73,6 +95,7 @@ class HostIslands:
     p2p_off: list[tuple[int, int]]  # rank pairs of one host without CUDA peer-to-peer
     nvlink: bool
     gpu_names: tuple[str, ...] = ()  # NVML's names of the ranks' GPUs, distinct, in rank order
+    cuts: tuple[Cut, ...] = ()
 
 
 def _text(x: Any) -> str:
@@ -184,10 +207,8 @@ def probe(nvml, uuid: str | None = None, local_rank: int | None = None,
         nvml.nvmlShutdown()
 
 
-def islands(probes: Sequence[GpuProbe]) -> tuple[list[list[int]], str | None, str]:
-    """``(islands, cut, note)`` of one host's ranks: lists of indices into ``probes`` (each in
-    rank order, islands by their first rank), the class the host is cut at (None: one
-    island), and a note on why (module docstring). Two ranks on one GPU share its island."""
+def _pairs(probes: Sequence[GpuProbe]) -> dict[tuple[int, int], str]:
+    """The link class of every pair of ``probes`` (two ranks on one GPU: NVLink)."""
     n = len(probes)
 
     def cls(a: int, b: int) -> str:
@@ -195,12 +216,12 @@ def islands(probes: Sequence[GpuProbe]) -> tuple[list[list[int]], str | None, st
             return "nvlink"
         return probes[a].links.get(probes[b].bus_id, "sys")
 
-    pairs = {(a, b): cls(a, b) for a in range(n) for b in range(a + 1, n)}
-    if not pairs:
-        return [list(range(n))], None, "one GPU"
-    slow = max(pairs.values(), key=CLASSES.index)
-    if slow == "nvlink":
-        return [list(range(n))], None, "every pair joined by NVLink"
+    return {(a, b): cls(a, b) for a in range(n) for b in range(a + 1, n)}
+
+
+def _components(n: int, pairs: dict[tuple[int, int], str], below: int) -> list[list[int]]:
+    """Connected components of the links of tiers below ``below`` (each in rank order, by
+    first member)."""
     parent = list(range(n))
 
     def root(x: int) -> int:
@@ -210,12 +231,26 @@ def islands(probes: Sequence[GpuProbe]) -> tuple[list[list[int]], str | None, st
         return x
 
     for (a, b), c in pairs.items():
-        if TIER[c] < TIER[slow]:
+        if TIER[c] < below:
             parent[root(a)] = root(b)
     groups: dict[int, list[int]] = {}
     for x in range(n):
         groups.setdefault(root(x), []).append(x)
-    found = list(groups.values())
+    return list(groups.values())
+
+
+def islands(probes: Sequence[GpuProbe]) -> tuple[list[list[int]], str | None, str]:
+    """``(islands, cut, note)`` of one host's ranks: lists of indices into ``probes`` (each in
+    rank order, islands by their first rank), the class the host is cut at (None: one
+    island), and a note on why (module docstring). Two ranks on one GPU share its island."""
+    n = len(probes)
+    pairs = _pairs(probes)
+    if not pairs:
+        return [list(range(n))], None, "one GPU"
+    slow = max(pairs.values(), key=CLASSES.index)
+    if slow == "nvlink":
+        return [list(range(n))], None, "every pair joined by NVLink"
+    found = _components(n, pairs, TIER[slow])
     if len(found) == 1:
         return found, None, f"the faster links join every GPU (slowest: {LABELS[slow]})"
     if len(found) == n:
@@ -225,6 +260,22 @@ def islands(probes: Sequence[GpuProbe]) -> tuple[list[list[int]], str | None, st
         return [list(range(n))], None, (f"islands of unequal size ({sizes}) across the "
                                         f"{LABELS[slow]}: one island")
     return found, slow, f"split at the {LABELS[slow]}"
+
+
+def island_cuts(probes: Sequence[GpuProbe]) -> list[tuple[list[list[int]], str]]:
+    """Every way to cut one host's ranks at a tier of its links, slowest tier first: ``(islands,
+    class cut at)`` for each tier whose faster links group the ranks into 2 or more islands of
+    one size, more than one rank each (``islands``' cut, where it has one, is among them);
+    cuts that group alike are listed once, at the slower tier."""
+    n = len(probes)
+    pairs = _pairs(probes)
+    out: list[tuple[list[list[int]], str]] = []
+    for cls in sorted(set(pairs.values()), key=CLASSES.index, reverse=True):
+        found = _components(n, pairs, TIER[cls])
+        if (1 < len(found) < n and len({len(g) for g in found}) == 1
+                and all(found != f for f, _ in out)):
+            out.append((found, cls))
+    return out
 
 
 def _ranges(xs: list[int]) -> str:
@@ -247,16 +298,19 @@ def _inner(members: list[GpuProbe]) -> str:
 def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIslands:
     """Every rank's machine from its host and its probe (rank order). Hosts keep separating
     machines; on one host the islands are the machines; across hosts the network is the
-    slowest level, so each host is one machine (its islands are only described)."""
+    slowest level, so each host is one machine. ``cuts``: that cut, then the finer ones that
+    compete with it (a host's faster tiers; hosts x islands where every host is cut alike)."""
     hosts: dict[str, list[int]] = {}
     for r, h in enumerate(hostnames):
         hosts.setdefault(h, []).append(r)
     machine_of = [0] * len(hostnames)
     parts, p2p_off, per_host = [], [], []
     nvlink = any(c == "nvlink" for p in probes for c in p.links.values())
+    host_cuts = []  # per host: {GPUs per island: (islands as indices into its ranks, class)}
     for hi, (host, ranks) in enumerate(hosts.items()):
         found, cut, note = islands([probes[r] for r in ranks])
         per_host.append(len(found))
+        host_cuts.append({len(g[0]): (g, c) for g, c in reversed(island_cuts([probes[r] for r in ranks]))})
         for a in ranks:
             for b in ranks:
                 if a < b and probes[a].bus_id != probes[b].bus_id and not probes[a].p2p.get(probes[b].bus_id, False):
@@ -267,11 +321,11 @@ def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIs
             desc.append(f"GPUs {_ranges([m.index for m in mem])}: {_inner(mem)}")
         sizes = {len(i) for i in found}
         what = (f"{len(found)} islands of {sizes.pop()}" if len(found) > 1 else "1 island")
-        parts.append((host, len(ranks), what, note, desc, found, ranks))
+        parts.append((host, len(ranks), what, note, desc, found, ranks, cut))
     one_host = len(hosts) == 1
     islands_per_host = per_host[0] if one_host else 1
     if one_host:
-        _, _, _, _, _, found, ranks = parts[0]
+        _, _, _, _, _, found, ranks, _ = parts[0]
         for k, isl in enumerate(found):
             for i in isl:
                 machine_of[ranks[i]] = k
@@ -279,8 +333,20 @@ def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIs
         for k, (_, ranks) in enumerate(hosts.items()):
             for r in ranks:
                 machine_of[r] = k
+    cuts = [Cut(tuple(machine_of), len(machine_of) // (max(machine_of) + 1),
+                "network" if not one_host else LABELS.get(parts[0][7], "host"))]
+    finer = sorted(set.intersection(*(set(c) for c in host_cuts)), reverse=True)
+    for k in finer:   # every host cut alike into islands of k: hosts x islands
+        if k >= cuts[0].gpus:
+            continue
+        alt = [0] * len(hostnames)
+        for hi, (_, ranks) in enumerate(hosts.items()):
+            for j, isl in enumerate(host_cuts[hi][k][0]):
+                for i in isl:
+                    alt[ranks[i]] = hi * len(ranks) + j
+        cuts.append(Cut(tuple(alt), k, LABELS[host_cuts[0][k][1]]))
     lines = []
-    for host, n, what, note, desc, _, _ in parts:
+    for host, n, what, note, desc, *_ in parts:
         lines.append(f"{host}: {n} GPUs, {what} ({note}; {'; '.join(desc)})")
     head = f"{len(hostnames)} GPUs on {len(hosts)} host{'s' if len(hosts) > 1 else ''}"
     tail = "" if nvlink else "; no NVLink"
@@ -288,9 +354,14 @@ def host_islands(hostnames: Sequence[str], probes: Sequence[GpuProbe]) -> HostIs
         tail += f"; no GPU peer-to-peer between {len(p2p_off)} rank pairs (e.g. ranks {p2p_off[0]})"
     if not one_host and any(k > 1 for k in per_host):
         tail += "; across hosts the network is the slowest link: one machine per host"
+    if len(cuts) > 1:
+        tail += "; levels compete: " + ", ".join(
+            f"{c.machines}x{c.gpus} (cut at the {c.level})" for c in cuts) + (
+            " (the first built; the cost model chooses where its profile has each cut's rates)")
     return HostIslands(machine_of, len(hosts), islands_per_host,
                        f"{head}: " + " | ".join(lines) + tail, p2p_off, nvlink,
-                       tuple(dict.fromkeys(p.name for p in probes)))
+                       tuple(dict.fromkeys(p.name for p in probes)), tuple(cuts))
+
 
 
 def _import_nvml():
@@ -380,14 +451,16 @@ def detect_islands(world_size: int, group=None, hostnames: Sequence[str] | None 
         r, why = failed[0]
         if dist.get_rank() == 0:
             import torch
+            one_host = len({h for h, _, _ in rows}) == 1   # else hosts are the machines anyway
             log_once(logger, f"nvml-{why}", f"topology from hostnames, not the hardware: rank {r}: "
-                     f"{why}", logging.WARNING if torch.cuda.is_available() else logging.INFO)
+                     f"{why}", logging.WARNING if torch.cuda.is_available() and one_host
+                     else logging.INFO)
         return None
     found = host_islands(hostnames or [h for h, _, _ in rows], [p for _, p, _ in rows])
     _LAST.append(found)
     return found
 
 
-__all__ = ["CLASSES", "GpuProbe", "HostIslands", "detect_islands", "forget", "host_islands",
-           "islands", "last_detection", "local_probe", "my_gpu", "p2p_refusal", "probe",
+__all__ = ["CLASSES", "Cut", "GpuProbe", "HostIslands", "detect_islands", "forget", "host_islands",
+           "island_cuts", "islands", "last_detection", "local_probe", "my_gpu", "p2p_refusal", "probe",
            "visible_islands"]

@@ -137,7 +137,9 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
     over ``group`` (when torch.distributed is initialised), ``$LOCAL_WORLD_SIZE``, one machine.
     One host of several ranks (and no ``$LOCAL_WORLD_SIZE`` split) is cut into its islands of
     fast-linked GPUs from NVML (``hwtopo.py``), ranks mapped to islands in any order; without
-    NVML it stays one machine.
+    NVML it stays one machine. Several hosts stay one machine each; their islands (hosts x
+    islands) and a host's finer levels are recorded as competing cuts
+    (``hwtopo.last_detection().cuts``) that ``auto`` compares.
     """
     from .hwtopo import forget
     forget()
@@ -155,7 +157,7 @@ def detect_topology(world_size: int, override: str | Topology | None = None,
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         if topo.nodes == 1 and 0 < local < world_size and world_size % local == 0:
             topo, source = Topology(world_size // local, local), "$LOCAL_WORLD_SIZE"
-        elif topo.nodes == 1 and world_size > 1:
+        elif world_size > 1:   # one host: its islands; several: hosts, their islands as cuts
             topo, source = _hardware_topology(world_size, group, hosts, topo)
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
@@ -177,6 +179,8 @@ def _hardware_topology(world_size: int, group, hosts: list[str],
     if found is None:
         return fallback, "hostnames"
     topo = Topology.from_machines(found.machine_of)
+    if fallback.nodes > 1 and topo != fallback:   # hosts as hostnames order them
+        return fallback, "hostnames"
     if not dist.is_initialized() or dist.get_rank() == 0:
         log_once(get_logger(__name__), f"hwtopo-{found.description}",
                  f"topology {topo} from the hardware: {found.description}", logging.INFO)

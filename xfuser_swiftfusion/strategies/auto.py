@@ -14,6 +14,15 @@ on CUDA the one-box profile of the GPUs where one host was cut into islands from
 reports GPU peer-to-peer off, the one-sided strategy is no candidate. The model never predicts
 the choice slower than default ``usp``; where it picks ``usp``, rank 0 says why once per
 profile and topology (``cost_model.why_baseline``).
+
+Competing levels (``hwtopo.Cut``): where detection found finer cuts of the ranks than the
+topology the context was built on (NVLink pairs inside a socket's island; hosts x islands),
+``auto`` compares its pick on every cut the profile has rates for (``levels``;
+``cost_model.recommend_cut``: on a finer cut not the strategies on xFuser's groups) and
+builds the child on the fastest cut's mesh; rank 0 logs the
+comparison once per shape. Every finer cut refines the context's machines, so the
+communicators built for those stay valid (a peer inside a finer machine is inside a
+coarser one).
 """
 from __future__ import annotations
 
@@ -23,12 +32,12 @@ from dataclasses import replace
 
 import torch
 
-from ..cost_model import Workload, candidates, get_profile, recommend, why_baseline
+from ..cost_model import Workload, cut_options, get_profile, recommend_cut, why_baseline
 from ..hardware import BOX_OF_GPU, HARDWARE_ENV, HardwareProfile
 from ..hwtopo import HostIslands, last_detection
 from ..log import get_logger, log_once
 from ..mesh import Mesh, choose_mesh
-from ..topology import Topology
+from ..topology import Topology, TopologyError, subset_topology
 from .layout import Joint, KeyMask
 from .padded import build_padded, padding_message
 from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register, specs
@@ -70,14 +79,50 @@ def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int
     ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use;
     ``external=False``: no strategy on xFuser's groups at all; ``detected``: the host's
     islands read from NVML at init (``hwtopo.last_detection``)."""
+    best, cands, name, _ = choose_cut(topology, num_heads, q, usp_ulysses, external, pad_heads,
+                                      detected)
+    return best, cands, name
+
+
+def choose_cut(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
+               external: bool = True, pad_heads: bool = True, detected: HostIslands | None = None,
+               cuts: tuple[Topology, ...] = ()):
+    """``choose`` over ``topology`` and its finer ``cuts`` (same ranks, fewer GPUs per
+    machine): ``(pick, its cut's candidates, profile name, comparison)``; ``comparison``: None
+    where no cut competes, else ``(index into (topology, *cuts) of the pick's cut, every
+    compared cut's (topology, profile, pick), the cuts without rates in the profile)``."""
     B, _, S, D = q.shape
     dtype = DTYPES.get(q.dtype, "fp32")
     w = Workload(B, S * topology.world_size, num_heads, D, dtype)
     # the model depends on machines x GPUs only, not on which ranks an island holds
-    plain = Topology(topology.nodes, topology.gpus_per_node)
-    profile = hardware_profile(q.device, plain, detected)
-    return (recommend(plain, w, profile, usp_ulysses, external, pad_heads),
-            candidates(plain, w, profile, pad_heads), profile.name)
+    plain = lambda t: Topology(t.nodes, t.gpus_per_node)  # noqa: E731
+    profile = hardware_profile(q.device, plain(topology), detected)
+    options, missing = cut_options(plain(topology), profile, [plain(c) for c in cuts])
+    i, picks, cands = recommend_cut(options, w, usp_ulysses, external, pad_heads)
+    if not cuts:
+        return picks[0], cands[0], profile.name, None
+    at = [plain(topology), *map(plain, cuts)].index(options[i][0])
+    return (picks[i], cands[i], profile.name,
+            (at, [(t, p, b) for (t, p), b in zip(options, picks)], missing))
+
+
+def finer_cuts(detected: HostIslands | None, topology: Topology,
+               members: tuple[int, ...] | None = None) -> tuple[Topology, ...]:
+    """The SP group's topologies of the detected finer cuts (``HostIslands.cuts`` after the
+    first) that refine ``topology``'s machines; ``members``: the SP group's global ranks
+    (None: every rank)."""
+    out = []
+    for cut in (detected.cuts[1:] if detected is not None else ()):
+        try:
+            world = Topology.from_machines(cut.machine_of)
+            alt = world if members is None else subset_topology(world, members)
+        except TopologyError:
+            continue
+        if alt.world_size == topology.world_size and all(
+                topology.node_of(a) == topology.node_of(b)
+                for m in alt.machines() for a in m for b in m):
+            out.append(alt)
+    return tuple(out)
 
 
 class AutoAttention:
@@ -92,16 +137,20 @@ class AutoAttention:
     transfers)."""
 
     detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
+    cuts: tuple[Topology, ...] = ()      # finer cuts that compete with the topology (docstring)
 
     def __init__(self, args: BuildArgs) -> None:
         self.args = args
         self.topology, self.num_heads, self.rank = args.mesh.topology, args.num_heads, args.rank
         self.comms: list = []
         self._by_signature: dict[tuple, Strategy] = {}
-        self._children: dict[tuple[str, int, int], Strategy] = {}
+        self._children: dict[tuple, Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
-        self.meshes: dict[tuple[str, int, int], Mesh] = {}  # (strategy, ulysses, heads) -> mesh
+        self.meshes: dict[tuple, Mesh] = {}  # (strategy, ulysses, heads[, cut]) -> mesh
         self.detected = last_detection()
+        # finer cuts of the ranks that compete with the context's topology (module docstring)
+        self.cuts = finer_cuts(self.detected, self.topology, args.groups.members)
+        self.topologies: dict[tuple, Topology] = {}  # signature -> its cut, where cuts compete
 
     def _external_ulysses(self) -> int | None:
         """The only Ulysses degree a strategy on external groups can run now: the option
@@ -113,19 +162,21 @@ class AutoAttention:
         built = (s.built_ulysses() for s in specs() if s.external_groups and s.built_ulysses)
         return next((d for d in built if d is not None), None)
 
-    def _child(self, name: str, ulysses: int, heads: int) -> Strategy:
-        key = (name, ulysses, heads)
+    def _child(self, name: str, ulysses: int, heads: int, topology: Topology | None = None) -> Strategy:
+        cut = topology if topology is not None and topology != self.topology else None
+        key = (name, ulysses, heads) if cut is None else (name, ulysses, heads, str(cut), cut.order)
+        topology = cut or self.topology
         if key not in self._children:
             spec = get(name)
             if heads == self.num_heads:
-                mesh = choose_mesh(self.topology, self.num_heads, spec.placement, ulysses)
+                mesh = choose_mesh(topology, self.num_heads, spec.placement, ulysses)
                 child = spec.resolve(mesh).build(
                     replace(self.args, mesh=mesh, groups=self.args.groups.for_mesh(mesh)))
             else:  # zero-padded heads so the Torus schedule runs (strategies/padded.py)
-                mesh = choose_mesh(self.topology, heads, spec.placement)
+                mesh = choose_mesh(topology, heads, spec.placement)
                 if self.rank == 0:
-                    log_once(logger, f"auto-pad-{name}-{self.num_heads}-{self.topology}",
-                             padding_message(self.num_heads, heads, self.topology, f"auto: {name}"))
+                    log_once(logger, f"auto-pad-{name}-{self.num_heads}-{topology}",
+                             padding_message(self.num_heads, heads, topology, f"auto: {name}"))
                 child = build_padded(spec, replace(self.args, mesh=mesh,
                                                    groups=self.args.groups.for_mesh(mesh)), heads)
             self.meshes[key] = mesh
@@ -141,25 +192,34 @@ class AutoAttention:
         child = self._by_signature.get(sig)
         if child is None:
             # a key mask runs only on the core strategies, not on xFuser's groups
-            best, cands, profile = choose(self.topology, self.num_heads, q,
-                                          self._external_ulysses(),
-                                          self.args.options.get("external", True) and not masked,
-                                          self.args.options.get("pad_heads", True),
-                                          self.detected)
+            best, cands, profile, cmp = choose_cut(
+                self.topology, self.num_heads, q, self._external_ulysses(),
+                self.args.options.get("external", True) and not masked,
+                self.args.options.get("pad_heads", True), self.detected, self.cuts)
+            topo = (self.topology, *self.cuts)[cmp[0]] if cmp else self.topology
             key = (best.strategy, best.ulysses)
-            child = self._by_signature[sig] = self._child(*key, best.heads)
+            child = self._by_signature[sig] = self._child(*key, best.heads, topo)
             self.choices[sig] = key
+            if cmp:
+                self.topologies[sig] = topo
+            if self.rank == 0 and cmp:
+                _, compared, missing = cmp
+                log_once(logger, f"auto-cut-{sig}", "auto: levels compete: " + "; ".join(
+                    f"{t} ({p.name}): {b.strategy} U{b.ulysses}xR{b.ring} {b.latency_s * 1e3:.2f} ms"
+                    for t, p, b in compared) + (
+                    f"; not compared (the profile has no rates for them): {', '.join(map(str, missing))}"
+                    if missing else "") + f"; runs on {topo}", logging.INFO)
             if self.rank == 0:   # every rank picks the same (module docstring)
                 alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring}"
                                  f"{f' ({p.heads} heads)' if p.padded else ''} {p.latency_s * 1e3:.2f} ms"
                                  for p in sorted(cands, key=lambda p: p.latency_s))
                 log_once(logger, f"auto-{sig}",
                          f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
-                         f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {self.topology} "
+                         f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {topo} "
                          f"({profile} profile); predicted per layer: {alts}", logging.INFO)
                 why = why_baseline(best, cands, hardware_profile(q.device, self.topology, self.detected))
                 if why:
-                    log_once(logger, f"auto-why-{profile}-{self.topology}",
+                    log_once(logger, f"auto-why-{profile}-{topo}",
                              f"auto (why {best.strategy}): {why}")
         k, v, joint, kwargs = call_args(child.spec, q, k, v, joint, key_mask)
         return child(q, k, v, joint, scale, **kwargs)

@@ -42,12 +42,16 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
     attention layer on ``hardware`` (a built-in profile's name or a profile file), with the
     slowest rank's GPU compute and host issue time beside it; ``"recommended"``: the
-    (strategy, degrees) ``auto`` would pick, and where that is the baseline, why."""
-    from ..cost_model import (Workload, candidates, get_profile, host_topology, predict, recommend,
+    (strategy, degrees) ``auto`` would pick, and where that is the baseline, why. Where the
+    profile has the rates of finer cuts (``levels``: NVLink pairs inside a socket's island)
+    the table is the default cut's and the pick the fastest over every cut (its
+    ``topology``; ``cuts``: each cut's own pick)."""
+    from ..cost_model import (Workload, get_profile, host_topologies, predict, recommend_cut,
                               refused, why_baseline)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
     profile = get_profile(hardware, Topology(nodes, gpus_per_node))
-    topo = host_topology(nodes, gpus_per_node, profile)  # one box: its islands are the machines
+    options = host_topologies(nodes, gpus_per_node, profile)  # one box: its islands are the machines
+    topo = options[0][0]
     out = {}
     for spec in modelled():
         name = spec.name
@@ -70,13 +74,18 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
             "predicted_latency_s": pred.latency_s, "predicted_gpu_s": pred.compute_s,
             "predicted_host_s": pred.host_s,
         }
-    cands = candidates(topo, work, profile)
-    best = recommend(topo, work, profile, cands=cands)
+    i, picks, per_cut = recommend_cut(options, work)
+    (chosen, prof), cands, best = options[i], per_cut[i], picks[i]
+    cuts = []
+    for (t, pr), b in zip(options, picks):
+        cuts.append({"topology": str(t), "hardware": pr.name, "strategy": b.strategy,
+                     "ulysses_degree": b.ulysses, "ring_degree": b.ring,
+                     "predicted_latency_s": b.latency_s})
     out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
                           "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
                           "hardware": profile.name, "costs": profile.origin(),
-                          "why": why_baseline(best, cands, profile), "topology": str(topo),
-                          "islands": topo.nodes if profile.island_gpus else None,
+                          "why": why_baseline(best, cands, prof), "topology": str(chosen),
+                          "islands": chosen.nodes if profile.island_gpus else None, "cuts": cuts,
                           "candidates": [{"strategy": c.strategy, "ulysses_degree": c.ulysses,
                                           "ring_degree": c.ring, "heads": c.heads,
                                           "predicted_latency_s": c.latency_s}
@@ -86,8 +95,9 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
 
 def _print_plan(p: dict[str, dict], args) -> None:
     rec = p["recommended"]
-    where = (f"1 host of {args.gpus_per_node} GPUs in {rec['islands']} islands "
-             f"({rec['topology']}: islands x GPUs, the islands' links as inter-machine)"
+    first = rec["cuts"][0]["topology"]   # the table's cut
+    where = (f"1 host of {args.gpus_per_node} GPUs in {first.split('x')[0]} islands "
+             f"({first}: islands x GPUs, the islands' links as inter-machine)"
              if rec["islands"] else f"{args.nodes} machines x {args.gpus_per_node} GPUs")
     print(f"{where}, H={args.heads} L={args.seq_len} "
           f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and the "
@@ -114,8 +124,14 @@ def _print_plan(p: dict[str, dict], args) -> None:
     if rec["islands"]:
         splits = ", ".join(f"{c['strategy']} U{c['ulysses_degree']}xR{c['ring_degree']} "
                            f"{c['predicted_latency_s'] * 1e3:.3f}" for c in rec["candidates"])
-        print(f"auto's candidates, fastest first (ms per layer): {splits}")
-    print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}, "
+        print(f"auto's candidates on {rec['topology']}, fastest first (ms per layer): {splits}")
+    if len(rec["cuts"]) > 1:
+        print("levels compete (the table above is the first cut's): " + "; ".join(
+            f"{c['topology']} on {c['hardware']}: {c['strategy']} U{c['ulysses_degree']}xR"
+            f"{c['ring_degree']} {c['predicted_latency_s'] * 1e3:.3f} ms" for c in rec["cuts"])
+              + f"; auto plans on {rec['topology']}")
+    print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}"
+          f"{' on ' + rec['topology'] if len(rec['cuts']) > 1 else ''}, "
           f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer (a prediction)")
     if rec["why"]:
         print(f"why: {rec['why']}")
