@@ -31,9 +31,8 @@ link's line rate (``--link-mbit``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -44,8 +43,8 @@ import torch.distributed as dist
 from ..strategies import get
 from ..topology import Topology, detect_topology
 from .compare import (DTYPES, JSON_FIELDS, AttentionCalls, CompareArgumentError, CompareConfig,
-                      CompareRow, TOLERANCE, _aggregate, _effective, _Measure, _mesh_label, _sync,
-                      modelled_usp_bytes, run_on_ranks)
+                      CompareRow, TOLERANCE, _aggregate, _device, _effective, _Measure,
+                      _mesh_label, _sync, modelled_usp_bytes, run_on_ranks)
 from .compare_diffusers import diffusers_mesh_label, modelled_diffusers_bytes
 from .measure import PeakMemory
 from .quiet import quiet_rank
@@ -102,7 +101,8 @@ def import_sglang() -> None:
 # --------------------------------------------------------------------------------------------
 
 def build_model(dtype: torch.dtype) -> torch.nn.Module:
-    """SGLang's ``FluxTransformer2DModel`` with the tiny config, seeded weights (0.05 N(0, 1))."""
+    """SGLang's ``FluxTransformer2DModel`` with the tiny config, seeded weights (0.05 N(0, 1)),
+    on this rank's device."""
     from sglang.multimodal_gen.configs.models.dits.flux import FluxArchConfig, FluxConfig
     from sglang.multimodal_gen.runtime.models.dits.flux import FluxTransformer2DModel
     arch = FluxArchConfig(num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
@@ -113,7 +113,7 @@ def build_model(dtype: torch.dtype) -> torch.nn.Module:
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.to(dtype).eval()
+    return model.to(_device(), dtype).eval()
 
 
 @dataclass
@@ -132,10 +132,11 @@ class Inputs:
         T = cfg.max_sequence_length
         grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1)
         image_ids = torch.cat([torch.zeros(rows * cols, 1), grid.reshape(-1, 2).float()], 1)
-        return cls(torch.randn(1, rows * cols, 16, generator=g).to(dtype),
-                   torch.randn(1, T, 32, generator=g).to(dtype),
-                   torch.randn(1, 16, generator=g).to(dtype),
-                   torch.cat([torch.zeros(T, 3), image_ids]))
+        device = _device()
+        return cls(torch.randn(1, rows * cols, 16, generator=g).to(device, dtype),
+                   torch.randn(1, T, 32, generator=g).to(device, dtype),
+                   torch.randn(1, 16, generator=g).to(device, dtype),
+                   torch.cat([torch.zeros(T, 3), image_ids]).to(device))
 
     def forward_fn(self, model: torch.nn.Module, rank: int, world: int):
         """The rank's forward: its image shard, the whole text (SGLang shards it), RoPE for the
@@ -146,7 +147,7 @@ class Inputs:
         img = slice(T + rank * S, T + (rank + 1) * S)
         freqs = (torch.cat([cos[:T], cos[img]]), torch.cat([sin[:T], sin[img]]))
         x = self.x[:, rank * S:(rank + 1) * S]
-        t, gd = torch.tensor([500.0], dtype=x.dtype), torch.tensor([3.5], dtype=x.dtype)
+        t, gd = (torch.tensor([v], dtype=x.dtype, device=x.device) for v in (500.0, 3.5))
         return lambda: model(x, self.text, self.pooled, t, gd, freqs_cis=freqs)
 
 
@@ -166,6 +167,7 @@ def time_uspattention() -> Iterator[AttentionCalls]:
     current = cls.__dict__["forward"]
     calls = AttentionCalls()
 
+    @functools.wraps(current)  # the hook reads SGLang's signature through __wrapped__
     def timed(self, q, k, v, *args, **kwargs):
         replicated = kwargs.get("num_replicated_prefix", 0) + kwargs.get("num_replicated_suffix", 0)
         _sync()
@@ -194,6 +196,7 @@ def local_attention() -> Iterator[None]:
     cls = _attention_class()
     current = cls.__dict__["forward"]
 
+    @functools.wraps(current)
     def local(self, q, k, v, *args, num_replicated_prefix: int = 0,
               num_replicated_suffix: int = 0, **kwargs):
         world = get_sequence_parallel_world_size()

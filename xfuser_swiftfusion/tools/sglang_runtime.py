@@ -12,7 +12,9 @@ Importing this module imports no SGLang.
 from __future__ import annotations
 
 import dataclasses
+import os
 
+import torch
 import torch.distributed as dist
 
 
@@ -40,7 +42,10 @@ def setup(ulysses: int | None = None, ring: int = 1, cfg: int = 1) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     set_global_server_args(default_server_args())
-    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend=backend)
+    # on CUDA the device of this rank (torchrun's LOCAL_RANK); CPU ranks keep their global rank
+    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if torch.cuda.is_available() else rank
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=local_rank,
+                                    backend=backend)
     sp = world // cfg
     ps.initialize_model_parallel(sequence_parallel_degree=sp, classifier_free_guidance_degree=cfg,
                                  ulysses_degree=ulysses or sp // ring, ring_degree=ring,
@@ -49,7 +54,6 @@ def setup(ulysses: int | None = None, ring: int = 1, cfg: int = 1) -> None:
 
 def _native_custom_ops() -> None:
     """SGLang's custom ops run ``forward_native`` on CPU when sgl_kernel's CPU ops are absent."""
-    import torch
     from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
     if hasattr(torch.ops.sgl_kernel, "fused_norm_scale_shift_cpu"):
         return
