@@ -673,8 +673,12 @@ def test_replay_stage_rows_on_cpu(tmp_path, monkeypatch):
     replay.replay(RowWriter(str(tmp_path / "r.jsonl"), "replay"), torch.device("cpu"), quick=True)
     rows = read_rows(str(tmp_path / "r.jsonl"))
     assert [r.case.split(": ")[-1] for r in rows] == [
-        "USP (xFuser's ring on this rank)", "cpu, direct", "cpu, plan", "cpu, plan + CUDA graph",
-        "USP-equivalent single kernel"]
+        "USP (xFuser's ring on this rank)", "SGLang's pipelined Ulysses (rank 0 of one machine, U8)",
+        "cpu, direct", "cpu, plan", "cpu, plan + CUDA graph", "USP-equivalent single kernel"]
+    sglang = rows.pop(1)
+    assert sglang.result == "INFO" and sglang.data["stand_in"], sglang
+    # 24 heads over U8 x 3 groups, 64 tokens: 8 per rank; one attention call per group
+    assert (sglang.data["groups"], sglang.data["S"], sglang.data["launches"]) == (3, 8, 3)
     usp, direct, planned, graphed = rows[0].data, rows[1].data, rows[2].data, rows[3].data
     # the graph row's plan captured and replayed under the capture stand-in: a replay's counts
     assert "capture rules" in graphed["graph"] and graphed["copies"] == planned["copies"] > 0
@@ -874,3 +878,80 @@ def test_a_failed_capture_in_the_replay_stage_leaves_the_callers_stream():
             assert id(caller) not in cuda_capture.allocator_capturing
     finally:
         cuda_capture.uninstall()
+
+
+# -- SGLang's pipelined Ulysses (replay row) -----------------------------------------------------
+
+def _sglang_ulysses(U: int, G: int, text: int, H: int = 24, S: int = 5, D: int = 16,
+                    streams: bool | None = None):
+    from xfuser_swiftfusion.tools.gpu_suite.replay import _usp_op
+    from xfuser_swiftfusion.tools.gpu_suite.sglang_ulysses import build_pipelined_ulysses
+    g = torch.Generator().manual_seed(U * 10 + G)
+    q, k, v = (torch.randn(1, H, S, D, generator=g) for _ in range(3))
+    joint = tuple(torch.randn(1, H, text, D, generator=g) for _ in range(3)) if text else None
+    layer = build_pipelined_ulysses(q, k, v, joint, U, G, D ** -0.5, _usp_op("cpu"))
+    if streams is not None:
+        layer = type(layer)(layer.q, layer.k, layer.v, layer.replicated, U, G, layer.scale,
+                            layer.op, streams=streams)
+    # fp64: this rank's rows (text first) over text + U copies of its shard (on the replay's
+    # transport every peer holds what this rank holds), [B, T + S, H, D]
+    cat = lambda parts: torch.cat(parts, 2).double()  # noqa: E731
+    rows = cat(([joint[0]] if text else []) + [q])
+    keys, values = (cat(([joint[i]] if text else []) + [x] * U) for i, x in ((1, k), (2, v)))
+    ref = (torch.softmax(rows @ keys.transpose(-1, -2) * D ** -0.5, -1) @ values).transpose(1, 2)
+    return layer, ref
+
+
+@pytest.mark.parametrize("U,G,text", [(8, 3, 0), (4, 2, 3), (2, 3, 4)])
+def test_sglang_pipelined_ulysses_equals_fp64_attention(U, G, text):
+    """Rank 0's own heads come out of its attention over the slots it filled (its rows, the
+    peers' rows, the text first); every peer's head block lands where the peers' blocks go."""
+    layer, ref = _sglang_ulysses(U, G, text)
+    out = layer()
+    assert out.shape == ref.shape
+    own = slice(0, G * layer.h)  # rank 0's heads: blocks (0, g)
+    assert (out[:, :, own].double() - ref[:, :, own]).abs().max() < 1e-5
+    assert torch.count_nonzero(out[:, :, G * layer.h:]) == 0  # no peer has written a block yet
+    layer.fill_peer_outputs(ref.float())  # what each peer sends for its heads
+    assert (layer().double() - ref).abs().max() < 1e-5
+
+
+def test_sglang_pipelined_ulysses_sends_each_peer_its_heads_and_rows():
+    """What the copy stream and the group streams write to a peer: its head block of this
+    rank's shard in its slot, and its rows of this rank's output heads in its block."""
+    layer, ref = _sglang_ulysses(4, 2, 3)
+    layer()
+    h, S, T = layer.h, layer.q.shape[1], layer.T
+    for p in (1, 2, 3):
+        for g in range(2):
+            heads = slice((p * 2 + g) * h, (p * 2 + g + 1) * h)
+            for part, x in enumerate((layer.q, layer.k, layer.v)):
+                assert torch.equal(layer.peer_slots[p][g][part][:, T:T + S], x[:, :, heads])
+            mine = slice(g * h, (g + 1) * h)  # rank 0's heads of group g: rank p's rows of them
+            block = layer.peer_out_blocks[p][g]
+            assert (block[:, T:].double() - ref[:, T:, mine]).abs().max() < 1e-5  # shard copies
+            assert (block[:, :T].double() - ref[:, :T, mine]).abs().max() < 1e-5
+
+
+def test_sglang_pipelined_ulysses_joins_its_streams(monkeypatch):
+    """CUDA graph capture (the GPU suite times the row as a graph) needs the copy stream and
+    every group stream joined back into the caller's stream before the call returns."""
+    joins = _StreamJoins(monkeypatch)
+    layer, _ = _sglang_ulysses(4, 2, 3, streams=True)
+    layer()
+    streams = [layer.copy_stream, *layer.group_streams]
+    assert all(s.records > 0 for s in layer.group_streams)
+    assert [(s.records, s.joined) for s in streams if s.joined < s.records] == []
+    assert joins.current is joins.origin
+
+
+@pytest.mark.parametrize("heads,world,rows,sms,want", [
+    (24, 8, 36864 + 512, 132, 0),   # Flux 3072 px on one H200 machine: too few tiles per group
+    (56, 2, 65536, 132, 7),         # MiniMax-H3's 56 heads at Ulysses 2 (SGLang's example)
+    (56, 8, 65536, 132, 0), (48, 8, 17776, None, 3), (40, 2, 8192, None, 5),
+    (12, 8, 4096, None, 0)])        # no candidate divides 12 heads over 8 ranks
+def test_sglang_automatic_head_groups(heads, world, rows, sms, want):
+    """SGLang's ``_auto_pipeline_groups``: the most of 7, 5, 4, 3, 2 dividing the heads by the
+    ranks whose calls fill 4 waves of 128-row tiles on the SMs."""
+    from xfuser_swiftfusion.tools.gpu_suite.sglang_ulysses import auto_groups
+    assert auto_groups(heads, world, 1, rows, sms) == want

@@ -145,8 +145,9 @@ def emulate_cfg():
 def runs(sglang_child):
     """All topologies in the session's SGLang child (the pytest process imports no SGLang)."""
     jobs = [(Path(__file__).stem, "emulate", (t,)) for t in TOPOLOGIES]
-    results = sglang_child.run(jobs + [(Path(__file__).stem, "emulate_cfg", ())])
-    return {**dict(zip(TOPOLOGIES, results)), "cfg": results[-1]}
+    results = sglang_child.run(jobs + [(Path(__file__).stem, "emulate_cfg", ()),
+                                       ("test_compare_sglang", "compare_jobs", ())])
+    return {**dict(zip(TOPOLOGIES, results)), "cfg": results[-2], "compare": results[-1]}
 
 
 def test_cfg_parallel_halves(runs):
@@ -184,3 +185,10 @@ def test_wrapped_uspattention_exact(runs, topology):
             for heads, st in stats[strategy].items():
                 assert st["fallbacks"] == {}, (topology, strategy, st["fallbacks"])
                 assert st["calls"] > 0
+
+
+def test_compare_engine_sglang(runs):
+    """``swiftfusion compare --engine sglang`` on 2x2 (run in this module's SGLang child: one
+    import); its checks are ``test_compare_sglang.check_fast``."""
+    from test_compare_sglang import check_fast
+    check_fast(runs["compare"])

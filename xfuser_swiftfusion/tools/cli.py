@@ -7,7 +7,9 @@
   (``calibrate.py``) for ``--hardware PATH`` / ``SWIFTFUSION_HARDWARE=PATH``.
 - ``swiftfusion check``: every strategy against single-device attention, on the current
   world (under torchrun) or on an emulated ``--emulate NxM`` cluster of CPU processes.
-- ``swiftfusion compare``: a model under every strategy through xFuser (``compare.py``).
+- ``swiftfusion compare``: a model under every strategy through xFuser (``compare.py``), or
+  with ``--engine sglang`` SGLang's Flux model class under SGLang's USP and ours
+  (``compare_sglang.py``).
 - ``swiftfusion compare-diffusers``: a diffusers pipeline under diffusers' own context
   parallelism and under our strategies (``compare_diffusers.py``).
 """
@@ -267,9 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run what can run without a GPU (the triton interpreter), to try the suite")
 
     from .compare import add_arguments as add_compare_arguments
-    add_compare_arguments(sub.add_parser(
+    cp = sub.add_parser(
         "compare", parents=[cluster],
-        help="run a model under every strategy: latency, bytes, memory, error"))
+        help="run a model under every strategy: latency, bytes, memory, error")
+    add_compare_arguments(cp)
+    cp.add_argument("--engine", choices=("xfuser", "sglang"), default="xfuser",
+                    help="xfuser: the model through xFuser, its USP beside ours; sglang: SGLang's "
+                         "own Flux model class, its USP at every Ulysses x Ring split beside ours "
+                         "(rows: sglang, sglang:U2xR2, tas, ...)")
     cd = sub.add_parser(
         "compare-diffusers", parents=[cluster],
         help="a diffusers pipeline under diffusers' own context parallelism (ulysses, ring, "
@@ -301,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
             return 0
         if args.cmd == "compare":
+            if args.engine == "sglang":
+                from .compare_sglang import cmd_compare_sglang
+                return cmd_compare_sglang(args)
             from .compare import cmd_compare
             return cmd_compare(args)
         if args.cmd == "compare-diffusers":

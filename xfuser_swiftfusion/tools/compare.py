@@ -346,7 +346,8 @@ def add_arguments(p) -> None:
     p.add_argument("--height", type=int, help="pixels (default: flux 48, cogvideox 192, wan 64)")
     p.add_argument("--width", type=int, help="pixels (default: flux 48, cogvideox 64, wan 64)")
     p.add_argument("--num-frames", type=int, help="video frames (cogvideox, wan; default 9)")
-    p.add_argument("--max-sequence-length", type=int, default=13, help="text tokens")
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="text tokens (default 13; --engine sglang: 64)")
     p.add_argument("--prompt", default=CompareConfig.prompt)
     p.add_argument("--guidance-scale", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per strategy")
@@ -381,7 +382,8 @@ def config_from_args(args, world_size: int) -> CompareConfig:
     cfg = CompareConfig(model=args.model, kind=kind, path=path, strategies=strategies,
                         steps=args.steps, height=args.height or h, width=args.width or w,
                         num_frames=args.num_frames or f, prompt=args.prompt,
-                        max_sequence_length=args.max_sequence_length,
+                        max_sequence_length=args.max_sequence_length
+                        or CompareConfig.max_sequence_length,
                         guidance_scale=args.guidance_scale, seed=args.seed,
                         repeats=args.repeats, dtype=dtype, topology=args.topology,
                         timeout_s=args.timeout, reference=not args.no_reference)

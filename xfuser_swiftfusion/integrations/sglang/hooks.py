@@ -31,10 +31,17 @@ unbound_fallbacks: Counter = Counter()
 _signature: list[inspect.Signature] = []
 
 
-def _forward_signature() -> inspect.Signature:
+def _forward_signature(fn=None) -> inspect.Signature:
+    """SGLang's ``USPAttention.forward`` signature, read through ``__wrapped__`` from ``fn`` (the
+    function the hook wraps) or the class attribute: a wrapper without ``__wrapped__`` would
+    hide the keyword arguments (a mask) that decide whether a call is ours."""
     if not _signature:
         from sglang.multimodal_gen.runtime.layers.attention.layer import USPAttention
-        _signature.append(inspect.signature(inspect.unwrap(USPAttention.forward)))
+        sig = inspect.signature(inspect.unwrap(fn or USPAttention.forward))
+        if "attn_mask" not in sig.parameters:
+            raise RuntimeError(f"USPAttention.forward reads as {sig}: a wrapper without "
+                               "__wrapped__ (functools.wraps) hides SGLang's arguments")
+        _signature.append(sig)
     return _signature[0]
 
 
@@ -51,10 +58,10 @@ def _fallback(reason: str, ctx=None) -> None:
                  "(counted in stats()['fallbacks'])")
 
 
-def _route(cfg, args, kwargs):
+def _route(original_fn, cfg, args, kwargs):
     """The context to run this call on (made on first use: collective), or None after counting
     why SGLang's path runs it."""
-    arguments = calls.bind(_forward_signature(), args, kwargs)
+    arguments = calls.bind(_forward_signature(original_fn), args, kwargs)
     heads = arguments["q"].shape[2]
     reason = contexts.groups_unsupported()
     if reason is not None:
@@ -70,7 +77,7 @@ def _route(cfg, args, kwargs):
 
 @torch.compiler.disable(recursive=True, reason="SwiftFusion attention runs eagerly")
 def _eager(original_fn, cfg, args, kwargs):
-    ctx, arguments = _route(cfg, args, kwargs)
+    ctx, arguments = _route(original_fn, cfg, args, kwargs)
     if ctx is None:
         return original_fn(*args, **kwargs)
     return calls.run(calls.read(arguments), ctx.attention)
@@ -102,7 +109,7 @@ def uspattention_forward(original_fn, *args, **kwargs):
         return _eager(original_fn, cfg, args, kwargs)
     # breakable CUDA graph: SGLang's own wrapper puts its attention in an eager break, ours
     # goes in one too (a context is made there, outside any capture)
-    arguments = calls.bind(_forward_signature(), args, kwargs)
+    arguments = calls.bind(_forward_signature(original_fn), args, kwargs)
     reason = contexts.groups_unsupported() or calls.unsupported(arguments)
     if reason is not None:
         _fallback(reason, contexts.active().get(arguments["q"].shape[2]))

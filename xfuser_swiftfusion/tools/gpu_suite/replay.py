@@ -25,6 +25,10 @@ CogVideoX 5B on 4 x 8 GPUs (``kernel.MODELS``; CPU stand-ins with ``--allow-cpu`
   eager plan's from the same state (``same_output``; a FAIL beyond ``GRAPH_TOLERANCE``) and its
   back-to-back wall time set beside its GPU time; the ``direct`` row also captures the whole
   call in a CUDA graph where its calls allow (the row names the call that does not);
+* SGLang's pipelined Ulysses (``sglang_ulysses.py``: ``USPAttention._pipelined_ulysses``, the
+  head-group exchange over its copy-engine transport) on rank 0 of one machine of the cluster,
+  the model's whole sequence over its GPUs: SGLang pipelines only there (ring 1, every Ulysses
+  rank on one host), so it is a row of its own, not read against USP's;
 * xFuser's USP-equivalent: one attention kernel over the same tokens (the rank's ``L / R``
   queries of its ``H / P_u`` heads, text included, against all keys), cuDNN as xFuser runs it
   on Hopper and torch's flash attention: the compute floor.
@@ -44,6 +48,7 @@ from ...kernels import attend_calls
 from .kernel import LABELS, ModelShape, backend, models, runnable
 from .report import RowWriter
 from .timing import HostWaits, call_ms, host_and_gpu_ms, kernel_ms
+from .sglang_ulysses import PipelinedUlysses, build_pipelined_ulysses, groups_for
 from .usp_layer import UspLayer, build_usp
 
 
@@ -439,6 +444,56 @@ def _usp_row(w: RowWriter, r: ReplayLayer, names: list[str], where: str, quick: 
     return gpu
 
 
+def sglang_layer(r: ReplayLayer, name: str) -> PipelinedUlysses:
+    """SGLang's pipelined Ulysses (``sglang_ulysses.py``) on rank 0 of one machine of the
+    replay's cluster (Ulysses over its GPUs, ring 1: the only place SGLang pipelines), the
+    model's whole sequence over it, text as replicated rows where the model passes them so,
+    with backend ``name``'s attention op; its own inputs (from a generator of its own)."""
+    model, device = r.model, r.q.device
+    U = r.mesh.topology.gpus_per_node
+    S, D = -(-(model.tokens - model.joint) // U), model.head_dim
+    gen = generator(device, 2)
+    make = lambda n: torch.randn(1, model.heads, n, D, device=device, generator=gen).to(r.q.dtype)  # noqa: E731
+    joint = (make(model.joint), make(model.joint), make(model.joint)) if model.joint else None
+    groups, _ = groups_for(model.heads, U, 1, S * U + model.joint, device)
+    return build_pipelined_ulysses(make(S), make(S), make(S), joint, U, groups, r.scale,
+                                   _usp_op(name))
+
+
+def _sglang_row(w: RowWriter, r: ReplayLayer, names: list[str], where: str, quick: bool) -> None:
+    """SGLang's pipelined Ulysses (``sglang_ulysses.py``) on rank 0 of one machine, with an op
+    SGLang pipelines with: flash-attn (its FA backend) or cuDNN SDPA on CUDA, the CPU op on
+    stand-ins."""
+    device = r.q.device
+    op = next((n for n in ("flash", "cudnn", "cpu") if n in names), None)
+    U = r.mesh.topology.gpus_per_node
+    case = f"{where}: SGLang's pipelined Ulysses (rank 0 of one machine, U{U})"
+    if op is None:
+        w.add(case, "SKIP", "no attention op SGLang pipelines with (FA, cuDNN SDPA) runs here")
+        return
+    try:
+        layer = sglang_layer(r, op)
+        how_groups = groups_for(r.model.heads, U, 1, layer.rows, device)[1]
+        gpu, how = kernel_ms(layer, device, quick)
+        host = host_and_gpu_ms(layer, device, 3 if quick else 5)[0] if device.type == "cuda" else gpu
+        launches = kernel_launches(layer, device)
+    except Exception as exc:  # noqa: BLE001
+        w.add(case, "FAIL", f"{type(exc).__name__}: {exc}"[:400])
+        return
+    S = layer.q.shape[1]
+    flops = 4.0 * (r.model.heads // U) * layer.rows * layer.rows * r.model.head_dim
+    w.add(case, "INFO",
+          f"GPU {gpu:.2f} ms ({how}), host {host:.2f} ms per layer; {layer.groups} head groups of "
+          f"{layer.h} heads ({how_groups}), {S} image + {layer.T} text rows per rank, "
+          f"{flops / (gpu * 1e-3) / 1e12:.1f} TFLOP/s; {launches['attention']} attention launches "
+          f"({_label(op)}); peers' transfers as device copies. On several machines SGLang does not "
+          "pipeline (a ring disables it; its transport needs every Ulysses rank on one host)",
+          backend=op, sglang_pipelined=True, gpu_ms=gpu, host_ms=host, gpu_how=how, U=U,
+          groups=layer.groups, groups_how=how_groups, rows=layer.rows, S=S, T=layer.T, flops=flops,
+          launches=launches["attention"], kernels=launches["kernels"],
+          stand_in=device.type != "cuda")
+
+
 def _variant_row(w: RowWriter, r: ReplayLayer, name: str, variant: str, where: str,
                  usp_gpu: float | None, quick: bool) -> float | None:
     """One row: the layer's ``variant`` on backend ``name``; returns its GPU ms."""
@@ -503,7 +558,8 @@ def _variant_row(w: RowWriter, r: ReplayLayer, name: str, variant: str, where: s
 
 def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
     """The replay stage (see the module docstring): per model, xFuser's USP on the same rank,
-    then a row per backend and variant of our layer, then the USP-equivalent single kernel."""
+    SGLang's pipelined Ulysses on rank 0 of one machine, then a row per backend and variant of
+    our layer, then the USP-equivalent single kernel."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
     for model in models(device):
@@ -511,6 +567,7 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
         names = runnable(None, device, model.head_dim, dtype)
         where = f"{model.name} rank 0 of 4x8 ({r.mesh.describe()})"
         usp_gpu = _usp_row(w, r, names, where, quick)
+        _sglang_row(w, r, names, where, quick)
         layer_gpu: dict[str, float] = {}
         for name in names:
             for variant in PER_BACKEND.get(name, OTHER_VARIANTS if cuda else ("direct", "plan", "plan + CUDA graph")):
@@ -543,5 +600,5 @@ def replay(w: RowWriter, device: torch.device, quick: bool = False) -> None:
             torch.cuda.empty_cache()
 
 
-__all__ = ["ReplayComm", "ReplayLayer", "build_layer", "kernel_launches", "replay", "usp_layer",
-           "usp_single_kernel"]
+__all__ = ["ReplayComm", "ReplayLayer", "build_layer", "kernel_launches", "replay", "sglang_layer",
+           "usp_layer", "usp_single_kernel"]
