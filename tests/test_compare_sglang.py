@@ -112,7 +112,7 @@ _absent = sglang_env.absent()
 
 @pytest.mark.slow
 @pytest.mark.skipif(_absent is not None, reason=_absent or "")
-def test_slow_link_all_rows_limit_and_tail_padded_text_fallbacks():
+def test_slow_link_all_rows_limit_and_tail_padded_text_fallbacks(sglang_child):
     """At 80 Mbit/s (root: network namespaces) every row with its limit; 13 text tokens on 4
     ranks are tail-padded by SGLang, so our strategies leave those calls to SGLang, counted
     (the compare's timing wrapper around ``USPAttention.forward`` once hid that mask from the
@@ -120,7 +120,7 @@ def test_slow_link_all_rows_limit_and_tail_padded_text_fallbacks():
     argv = ["compare", "--engine", "sglang", "--emulate", "2x2", "--link-mbit", "80",
             "--height", "128", "--width", "128", "--max-sequence-length", "13", "--steps", "2",
             "--repeats", "1"]
-    ((rc, table, err, rows),) = sglang_env.in_child([(Path(__file__).stem, "cli", (argv,))])
+    ((rc, table, err, rows),) = sglang_child.run([(Path(__file__).stem, "cli", (argv,))])
     assert rc == 0, table + err
     assert [r["strategy"] for r in rows] == ["sglang:U4xR1", *cs.OURS], table
     for r in rows:
