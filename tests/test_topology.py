@@ -176,6 +176,10 @@ def test_mixed_case_formulas():
     assert paper_inter_node_elements_per_machine("usp", 4, 2, 4, 1, 8, 1, 1) == (2 * 1 * 2 + 4 * 1 / 2) * 8 / 4
     # SFU with P_u < N (4 x 2, H = 2: U2 R4): (2(N/P_u-1) + 4 (P_u-1)/P_u N/P_u) BLHD/N
     assert paper_inter_node_elements_per_machine("tas", 4, 2, 2, 1, 8, 1, 1) == (2 * 1 + 4 * 0.5 * 2) * 8 / 4
+    # 8 x 1 (N/P_u = 4, N/P_r = 4): SFU U2 R4: (2 * 3 + 4 * 1/2 * 4) BLHD/8; USP U4 R2:
+    # (2 * 1 * 8/2 + 4 * 3/4) BLHD/8
+    assert paper_inter_node_elements_per_machine("tas", 8, 1, 2, 1, 8, 1, 1) == pytest.approx(14.0)
+    assert paper_inter_node_elements_per_machine("usp", 8, 1, 4, 1, 8, 1, 1) == pytest.approx(11.0)
     # one machine: nothing crosses
     assert paper_inter_node_elements_per_machine("usp", 1, 8, 8, 1, 8, 8, 8) == 0
 
