@@ -367,6 +367,13 @@ def test_steps_are_values_and_the_launches_option_is_checked():
         torus.launches_option({"launches": "fused"})
 
 
+def test_torus_runs_only_on_torus_ready_meshes():
+    """3x2 with one head: U1 x R6, the ring crosses machines: no Torus schedule there."""
+    from xfuser_swiftfusion.mesh import choose_mesh
+    assert not torus.SPEC.runs_on(choose_mesh(Topology(3, 2), 1))
+    assert torus.SPEC.runs_on(choose_mesh(Topology(3, 2), 6))
+
+
 def test_ring_peers_from_the_next_one_on():
     assert ring_peers((10, 11, 12, 13), 1) == [(2, 12), (3, 13), (0, 10)]
     assert ring_peers((5, 7), 0) == [(1, 7)] and ring_peers((5, 7), 1) == [(0, 5)]
