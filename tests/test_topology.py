@@ -315,3 +315,16 @@ def test_torus_padding_is_the_smallest_head_count_the_torus_runs():
 def test_mesh_is_a_value():
     a, b = choose_mesh(Topology(2, 4), 8), choose_mesh(Topology(2, 4), 8)
     assert a == b and len({a, b}) == 1
+
+
+def test_machines_from_labels():
+    """Rank i on machine machine_of[i]: machines numbered by their lowest rank, ranks in order."""
+    topo = Topology.from_machines([5, 7, 5, 7])
+    assert (topo.nodes, topo.gpus_per_node) == (2, 2)
+    assert topo.machines() == [(0, 2), (1, 3)]
+    assert [topo.node_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert Topology.from_machines([0, 0, 1, 1]).machines() == [(0, 1), (2, 3)]
+    assert Topology(2, 3).machines() == [(0, 1, 2), (3, 4, 5)]
+    for bad in ([0, 0, 1], []):
+        with pytest.raises(TopologyError):
+            Topology.from_machines(bad)
