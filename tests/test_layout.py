@@ -127,3 +127,11 @@ def test_gather_output_puts_head_groups_and_text_in_place(where):
     assert torch.equal(o.flat[1, 2, :B * h * S * D].view(B, h, S, D), o.rows[1, 2])
     with pytest.raises(ValueError):
         Slots.view(o.flat, B, h, S, Tj + 1, D)
+
+
+def test_joint_and_key_mask_are_values():
+    import dataclasses
+    joint = Joint(t(1, 2, 3, 4), t(1, 2, 3, 4), t(1, 2, 3, 4), "front")
+    assert hash(joint) == hash(joint) and hash(KeyMask(None, 4)) == hash(KeyMask(None, 4))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        joint.strategy = "rear"
