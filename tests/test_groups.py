@@ -62,3 +62,19 @@ def test_build_groups_without_processes():
     g = build_groups(mesh, 0, "cpu", members=(1, 0), sp_groups=[(1, 0)])  # one group: not kept
     assert g.sp_groups is None and g.members == (1, 0) and g.global_rank == 1
     assert torch.equal(g.ranks, mesh_tensor(mesh))
+
+
+def test_build_groups_finds_my_sp_rank(monkeypatch):
+    """Without ``rank``: my global rank's index in ``members`` (the default group: itself)."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 3)
+    mesh = choose_mesh(Topology(1, 2), 2)
+    assert build_groups(mesh, None, "cpu", members=(2, 3), sp_groups=[(0, 1), (2, 3)]).rank == 1
+    assert build_groups(choose_mesh(Topology(2, 2), 4), None, "cpu").rank == 3
+    with pytest.raises(ValueError):
+        build_groups(mesh, None, "cpu", members=(0, 1), sp_groups=[(0, 1), (2, 3)])
+
+
+def test_groups_of_another_mesh_build_their_own_device_mesh():
+    g = SPGroups(choose_mesh(Topology(2, 2), 2), 0)
+    g._device_mesh = object()  # this mesh's, once built
+    assert g.for_mesh(choose_mesh(Topology(2, 2), 4))._device_mesh is None
