@@ -78,3 +78,19 @@ def test_groups_of_another_mesh_build_their_own_device_mesh():
     g = SPGroups(choose_mesh(Topology(2, 2), 2), 0)
     g._device_mesh = object()  # this mesh's, once built
     assert g.for_mesh(choose_mesh(Topology(2, 2), 4))._device_mesh is None
+
+
+def test_mesh_tensor_of_a_ulysses_group_not_in_whole_machines():
+    """USP on 3x2 with 3 heads: P_u = 3 spans 1.5 machines: ``[1, P_u, R]`` by (g, r)."""
+    mesh = choose_mesh(Topology(3, 2), 3, "usp")
+    ranks = mesh_tensor(mesh)
+    assert ranks.shape == (1, 3, 2)
+    for x in range(6):
+        g, r = mesh.g_r_of(x)
+        assert ranks[0, g, r] == x
+
+
+def test_sp_groups_compare_by_identity():
+    mesh = choose_mesh(Topology(2, 2), 2)
+    a, b = SPGroups(mesh, 0), SPGroups(mesh, 0)
+    assert a != b and len({a, b}) == 2  # each holds its own process groups
