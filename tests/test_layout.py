@@ -70,7 +70,7 @@ def test_key_masks_canonical_and_checked():
     km = check_key_mask(None, tm, q, 2, joint)
     assert km.tokens is None and torch.equal(km.text, tm)
     assert check_key_mask(None, None, q, 2, joint) is None
-    for bad in (m.float(), m[:, :5], m[:, None]):
+    for bad in (m.float(), m[:, :5], m[:, None], m[:, None, None].expand(2, 2, 1, 6)):
         with pytest.raises(InputError):
             check_key_mask(bad, None, q, 2, None)
     with pytest.raises(InputError):
@@ -92,6 +92,10 @@ def test_split_heads_groups_consecutive_heads():
         for b in range(3):
             g = a * 3 + b
             assert torch.equal(y[a, b], x[:, 2 * g:2 * g + 2])
+    y = split_heads(x, 4)  # one grid dimension: [4, B, 3, S, D]
+    assert y.shape == (4, 2, 3, 3, 4)
+    for a in range(4):
+        assert torch.equal(y[a], x[:, 3 * a:3 * a + 3])
 
 
 def test_repeat_and_grouped_kv_follow_repeat_interleave():
@@ -112,19 +116,21 @@ def test_joint_head_group_splits_each_by_its_heads():
 
 
 @pytest.mark.parametrize("where", ["front", "rear", None])
-def test_gather_output_puts_head_groups_and_text_in_place(where):
+@pytest.mark.parametrize("grid", [(2, 3), (6,)])
+def test_gather_output_puts_head_groups_and_text_in_place(where, grid):
     B, h, S, Tj, D = 2, 2, 3, 2, 4
-    o = Slots.alloc(lambda shape: torch.randn(shape), (2, 3), B, h, S, Tj, D)
-    assert o.flat.shape == (2, 3, Slots.numel(B, h, S, Tj, D)) == (2, 3, B * h * (S + Tj) * D)
+    o = Slots.alloc(lambda shape: torch.randn(shape), grid, B, h, S, Tj, D)
+    assert hash(o) == hash(o)
+    assert o.flat.shape == (*grid, Slots.numel(B, h, S, Tj, D)) == (*grid, B * h * (S + Tj) * D)
     joint = None if where is None else Joint(t(B, 12, Tj, D), t(B, 12, Tj, D), t(B, 12, Tj, D), where)
     out = gather_output(o, joint)
-    groups = [(a, b) for a in range(2) for b in range(3)]
-    rows = torch.cat([o.rows[a, b] for a, b in groups], 1)  # [B, H, S, D]
-    text = torch.cat([o.text[a, b] for a, b in groups], 1)  # [B, H, Tj, D]
+    groups = [(a, b) for a in range(2) for b in range(3)] if len(grid) == 2 else [(a,) for a in range(6)]
+    rows = torch.cat([o.rows[g] for g in groups], 1)  # [B, H, S, D]
+    text = torch.cat([o.text[g] for g in groups], 1)  # [B, H, Tj, D]
     want = torch.cat([text, rows] if where == "front" else [rows, text], 2)
     assert torch.equal(out, want)
     # the image rows of a slot are its prefix, the text the rest
-    assert torch.equal(o.flat[1, 2, :B * h * S * D].view(B, h, S, D), o.rows[1, 2])
+    assert torch.equal(o.flat[groups[-1]][:B * h * S * D].view(B, h, S, D), o.rows[groups[-1]])
     with pytest.raises(ValueError):
         Slots.view(o.flat, B, h, S, Tj + 1, D)
 
