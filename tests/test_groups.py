@@ -94,3 +94,14 @@ def test_sp_groups_compare_by_identity():
     mesh = choose_mesh(Topology(2, 2), 2)
     a, b = SPGroups(mesh, 0), SPGroups(mesh, 0)
     assert a != b and len({a, b}) == 2  # each holds its own process groups
+
+
+def test_build_groups_device_type(monkeypatch):
+    """Given, it stays; else CUDA under NCCL, CPU otherwise (no process group: CPU)."""
+    mesh = choose_mesh(Topology(1, 2), 2)
+    assert build_groups(mesh, 0, "cuda").device_type == "cuda"
+    assert build_groups(mesh, 0).device_type == "cpu"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for backend, device in (("gloo", "cpu"), ("nccl", "cuda")):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, b=backend: b)
+        assert build_groups(mesh, 0).device_type == device
