@@ -84,10 +84,10 @@ def test_replays_are_watched_and_failures_raised():
     assert seen == [(True, "a replay", "layer 3")]
     d = bare()
     dog = d._replays_watched()  # a backend without a watchdog gets one for replays, once
-    assert d._replays_watched() is dog
+    assert dog is not None and d._replays_watched() is dog and dog._thread.is_alive()
     with d:
         pass
-    assert d.closed == 1
+    assert d.closed == 1 and not dog._thread.is_alive()  # close stops it
     assert d.failure is None
     d.check()
     d._replay_failure = TimeoutError("rank 0: replay past 5 s")
