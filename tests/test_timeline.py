@@ -286,3 +286,10 @@ def test_the_host_waits_for_its_own_calls_and_the_device():
     res = simulate([[put("a"), put("b"), Wait(("a",))], []], Topology.parse("1x2"),
                    profile(transfer_call_s=0.5), "bf16", 64)
     assert res.host_s[0] == pytest.approx(1.0)
+
+
+def test_a_message_speeds_up_when_its_link_frees():
+    """0.5 MB and 1 MB share machine 0's 1 MB/s uplink: both at half speed until the first
+    ends (1 s), then the rest of the second at full speed (0.5 s more)."""
+    to = lambda p, n: [Transfer("a", "put", "other", ((p, n),)), Wait(("a",))]  # noqa: E731
+    assert run([to(2, MB // 2), to(3, MB), [], []], "2x2") == pytest.approx([LAT + 1.0, LAT + 1.5, 0.0, 0.0])

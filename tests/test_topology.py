@@ -180,6 +180,8 @@ def test_mixed_case_formulas():
     # (2 * 1 * 8/2 + 4 * 3/4) BLHD/8
     assert paper_inter_node_elements_per_machine("tas", 8, 1, 2, 1, 8, 1, 1) == pytest.approx(14.0)
     assert paper_inter_node_elements_per_machine("usp", 8, 1, 4, 1, 8, 1, 1) == pytest.approx(11.0)
+    # USP U2 R4 on 8 x 1: (2 * 3 * 8/4 + 4 * 1/2) BLHD/8
+    assert paper_inter_node_elements_per_machine("usp", 8, 1, 2, 1, 8, 1, 1) == pytest.approx(14.0)
     # one machine: nothing crosses
     assert paper_inter_node_elements_per_machine("usp", 1, 8, 8, 1, 8, 8, 8) == 0
 
