@@ -36,6 +36,7 @@ import copy
 import json
 import os
 import shutil
+import random
 import signal
 import sys
 import tempfile
@@ -75,6 +76,7 @@ class Mutant:
     what: str      # e.g. "< -> <="
     source: str    # the mutated module's source
     outcome: str = "not run"  # killed | survived | timed out | equivalent | not run
+    top: str = ""  # the top-level function or class holding it ("" at module level)
     seconds: float = 0.0
     note: str = ""
 
@@ -216,6 +218,8 @@ def mutants(path: Path) -> list[Mutant]:
     seen: dict[str, int] = {}
     dump = ast.dump(tree)
     returned = {id(t) for r in ast.walk(tree) if isinstance(r, ast.Return) for t in _shape(r.value)}
+    tops = [(d.lineno, d.end_lineno, d.name) for d in tree.body
+            if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     for node in nodes:
         for what, repl in _variants(node, id(node) in returned):
             text = repl if isinstance(repl, str) else f"({ast.unparse(repl)})"
@@ -228,7 +232,8 @@ def mutants(path: Path) -> list[Mutant]:
                 continue
             stem = f"{plain[node.lineno - 1].strip()} :: {what}"
             seen[stem] = seen.get(stem, 0) + 1
-            out.append(Mutant(len(out), node.lineno, f"{stem} #{seen[stem]}", what, source))
+            top = next((n for a, b, n in tops if a <= node.lineno <= b), "")
+            out.append(Mutant(len(out), node.lineno, f"{stem} #{seen[stem]}", what, source, top=top))
     return out
 
 
@@ -254,19 +259,52 @@ class Server:
         import pytest  # noqa: F401
         self.tree, self.log = tree, log
 
-    def run(self, args: list[str], timeout: float) -> tuple[str, float]:
-        """('passed' | 'failed' | 'timed out', seconds)."""
-        start = time.monotonic()
+    def preload(self, args: list[str]) -> int:
+        """Import here what collecting ``args`` imports besides the package and the tests
+        (pytest plugins, hypothesis, numpy...), so that each child imports only the package
+        and the test modules; the number of modules imported."""
+        listing = self.log.with_suffix(".modules")
+        pid = os.fork()
+        if pid == 0:
+            code = 99
+            try:
+                with open(os.devnull, "w") as null:
+                    os.dup2(null.fileno(), 1)
+                    os.dup2(null.fileno(), 2)
+                os.chdir(self.tree)
+                sys.path[:0] = [str(self.tree), str(self.tree / "tests")]
+                import pytest
+                code = pytest.main(["-q", "--co", "-p", "no:cacheprovider", *args])
+                listing.write_text("\n".join(sorted(sys.modules)))
+            finally:
+                os._exit(int(code))
+        os.waitpid(pid, 0)
+        ours = (PACKAGE, "_" + PACKAGE, "test_", "support", "conftest", "__main__")
+        names = [n for n in listing.read_text().split() if not n.startswith(ours)
+                 and n not in sys.modules] if listing.exists() else []
+        for name in names:
+            try:
+                __import__(name)
+            except BaseException:  # noqa: BLE001  (a module that needs its importer's setup)
+                pass
+        for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+            del sys.modules[name]  # the children import the package from their copy
+        return len(names)
+
+    @staticmethod
+    def spawn(args: list[str], tree: Path, log: Path) -> int:
+        """Fork a child running pytest with ``args`` in ``tree`` (its own session, output to
+        ``log``); its pid."""
         pid = os.fork()
         if pid == 0:  # child: its own session, output to the log, pytest in the copy
             try:
                 os.setsid()
-                fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                os.chdir(self.tree)
-                sys.path[:0] = [str(self.tree), str(self.tree / "tests")]
-                os.environ["PYTHONPATH"] = str(self.tree)
+                os.chdir(tree)
+                sys.path[:0] = [str(tree), str(tree / "tests")]
+                os.environ["PYTHONPATH"] = str(tree)
                 os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
                 sys.dont_write_bytecode = True
                 import pytest
@@ -280,20 +318,32 @@ class Server:
                 import traceback
                 traceback.print_exc()
                 os._exit(99)
-        deadline = start + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                return ("passed" if code == 0 else "failed"), time.monotonic() - start
-            if time.monotonic() > deadline:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(pid, 0)
-                return "timed out", time.monotonic() - start
+        return pid
+
+    @staticmethod
+    def poll(pid: int, start: float, timeout: float) -> tuple[str, float] | None:
+        """('passed' | 'failed' | 'timed out', seconds) once the child ``pid`` is done (killed
+        with its process group past ``timeout``), else None."""
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return ("passed" if code == 0 else "failed"), time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return "timed out", time.monotonic() - start
+        return None
+
+    def run(self, args: list[str], timeout: float) -> tuple[str, float]:
+        """('passed' | 'failed' | 'timed out', seconds) of one run in the server's tree."""
+        start = time.monotonic()
+        pid = self.spawn(args, self.tree, self.log)
+        while (result := self.poll(pid, start, timeout)) is None:
             time.sleep(0.05)
+        return result
 
 
 def load_config() -> dict:
@@ -301,43 +351,73 @@ def load_config() -> dict:
         return tomllib.load(f)["tool"]["swiftfusion"]["mutation"]
 
 
-def run_module(module: str, conf: dict, server: Server, tree: Path, only: set[int] | None,
-               budget: float | None) -> tuple[list[Mutant], dict]:
+def run_module(module: str, conf: dict, server: Server, slots: list[tuple[Path, Path]],
+               only: set[int] | None, budget: float | None, sample: int | None = None) -> tuple[list[Mutant], dict]:
     mconf = conf["modules"][module]
     args = mconf["tests"]
     budget = budget if budget is not None else mconf.get("budget_s", conf["budget_s"])
     src = ROOT / PACKAGE / module
-    target = tree / PACKAGE / module
     original = src.read_text()
     equivalent = conf.get("equivalent", {}).get(module, {})
     found = mutants(src)
+    scope = mconf.get("scope")  # top-level names whose mutants run (all if absent)
+    server.preload(args)
     outcome, base = server.run(args, conf["baseline_timeout_s"])
-    if outcome != "passed":
-        raise SystemExit(f"{module}: the unmutated tests do not pass ({outcome}); see {server.log}")
+    if outcome != "passed":  # nothing of this module runs; the next module still does
+        print(f"{module}: the unmutated tests do not pass ({outcome}):\n"
+              + server.log.read_text()[-3000:], flush=True)
+        found = []
     timeout = conf["timeout_factor"] * base + conf["timeout_margin_s"]
     print(f"{module}: {len(found)} mutants; tests {' '.join(args)}: {base:.1f} s unmutated, "
           f"timeout {timeout:.0f} s, budget {budget:.0f} s", flush=True)
     start = time.monotonic()
+    todo = []
+    for m in found:
+        if only is not None and m.index not in only:
+            continue
+        if m.key in equivalent:
+            m.outcome, m.note = "equivalent", equivalent[m.key]
+            continue
+        if scope is not None and m.top not in scope:
+            m.note = "out of scope"  # stays "not run"
+            continue
+        todo.append(m)
+    if sample is not None:  # a budget that may not reach the end then stops at a random sample
+        random.Random(sample).shuffle(todo)
+    free = list(slots)          # (tree, log) of the idle workers
+    active: dict[int, tuple[Mutant, float, tuple[Path, Path]]] = {}
     try:
-        for m in found:
-            if only is not None and m.index not in only:
-                continue
-            if m.key in equivalent:
-                m.outcome, m.note = "equivalent", equivalent[m.key]
-                continue
-            if only is None and time.monotonic() - start > budget:
-                continue  # stays "not run"
-            target.write_text(m.source)
-            result, m.seconds = server.run(args, timeout)
-            m.outcome = {"passed": "survived", "failed": "killed"}.get(result, result)
-            line = f"  #{m.index} L{m.line} {m.what}: {m.outcome} ({m.seconds:.1f} s)"
-            if m.outcome == "survived" or only is not None:
-                line += "\n" + "\n".join("      " + x for x in m.diff(original).splitlines())
-            print(line, flush=True)
-            if only is not None and len(only) == 1:
-                print(Path(server.log).read_text()[-4000:])
+        while todo or active:
+            while todo and free and (only is not None or time.monotonic() - start <= budget):
+                m, slot = todo.pop(0), free.pop(0)
+                (slot[0] / PACKAGE / module).write_text(m.source)
+                active[server.spawn(args, *slot)] = (m, time.monotonic(), slot)
+            if not active:
+                break  # budget spent: the rest stay "not run"
+            time.sleep(0.05)
+            for pid, (m, t0, slot) in list(active.items()):
+                result = server.poll(pid, t0, timeout)
+                if result is None:
+                    continue
+                del active[pid]
+                free.append(slot)
+                m.outcome = {"passed": "survived", "failed": "killed"}.get(result[0], result[0])
+                m.seconds = result[1]
+                line = f"  #{m.index} L{m.line} {m.what}: {m.outcome} ({m.seconds:.1f} s)"
+                if m.outcome == "survived" or only is not None:
+                    line += "\n" + "\n".join("      " + x for x in m.diff(original).splitlines())
+                print(line, flush=True)
+                if only is not None and len(only) == 1:
+                    print(Path(slot[1]).read_text()[-4000:])
     finally:
-        target.write_text(original)
+        for pid in active:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        for tree_, _ in slots:
+            (tree_ / PACKAGE / module).write_text(original)
     counts = {k: sum(m.outcome == k for m in found)
               for k in ("killed", "survived", "timed out", "equivalent", "not run")}
     counts.update(mutants=len(found), seconds=round(time.monotonic() - start, 1),
@@ -360,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="run these mutant indices only (comma-separated; one module)")
     p.add_argument("--budget", type=float, help="seconds per module (overrides pyproject)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--sample", type=int, metavar="SEED",
+                   help="run the mutants in a random order (this seed): a budget that runs out "
+                        "leaves a random sample run instead of the first lines")
+    p.add_argument("-j", "--jobs", type=int, default=1,
+                   help="mutants run at once, each in its own copy of the tree (default 1)")
     a = p.parse_args(argv)
     conf = load_config()
     modules = list(conf["modules"]) if a.all else a.modules
@@ -376,15 +461,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {}
     with tempfile.TemporaryDirectory(prefix="sf-mutation-") as tmp:
-        tree = Path(tmp) / "tree"
-        tree.mkdir()
-        _copy_tree(tree)
-        server = Server(tree, Path(tmp) / "pytest.log")
+        slots = []
+        for j in range(max(1, a.jobs)):
+            tree = Path(tmp) / f"tree{j}"
+            tree.mkdir()
+            _copy_tree(tree)
+            slots.append((tree, Path(tmp) / f"pytest{j}.log"))
+        server = Server(*slots[0])
         for module in modules:
-            found, counts = run_module(module, conf, server, tree, a.only, a.budget)
+            found, counts = run_module(module, conf, server, slots, a.only, a.budget, a.sample)
             results[module] = {"counts": counts, "mutants": [
                 {k: v for k, v in asdict(m).items() if k != "source"} | {"diff": m.diff((ROOT / PACKAGE / module).read_text())}
                 for m in found]}
+            if a.json:  # after each module: a run stopped later keeps the modules done
+                a.json.write_text(json.dumps(results, indent=1))
     print("\n| module | mutants | killed | survived | equivalent | timed out | not run | killed of non-equivalent | time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for module, r in results.items():

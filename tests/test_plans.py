@@ -500,3 +500,13 @@ def test_sdpa_backends_are_prepared_with_the_chunks_that_have_rows(monkeypatch):
     dispatch._prepare_sdpa("cudnn", q, [kv[1]], states, 0.5, outs)()
     assert seen == [("op", [3, 5], [4], True, 2), "launch", ("op", [3, 5], [4], False, None),
                     "launch", ("finalize", 2, 2)]
+
+
+def test_replay_doing_names_six_stages_then_counts_the_rest():
+    from xfuser_swiftfusion.strategies.planned import replay_doing
+    six = [((1,), "put", f"s{i}") for i in range(6)]
+    text = replay_doing("torus", six, 0)
+    assert "'s5'" in text and "more" not in text
+    text = replay_doing("torus", six + [(None, "barrier", "s6"), ((0, 2), "get", "s6")], 0)
+    assert "'s5'" in text and "'s6'" not in text and "and 1 more" in text
+    assert "peers [1, 2]" in text and "a barrier over all ranks" in text and "8 transfers" in text

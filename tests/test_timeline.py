@@ -219,3 +219,77 @@ def test_one_rank_alone_runs_its_one_sided_program():
     assert res.finish_s == pytest.approx([LAT + 1.0 + 1.0])   # the get, then the copy
     with pytest.raises(ValueError, match="two-sided"):
         simulate_alone([exchange("a", 1, MB), Wait(("a",))], 0, topo, profile(), "bf16", 64)
+
+
+def test_a_send_completes_when_its_message_arrives():
+    """A two-sided send with no receive back: the sender's wait ends when its 1 MB has crossed
+    the 1 MB/s link, as the receiver's does."""
+    send = [Transfer("a", "exchange", "other", ((1, MB),), ()), Wait(("a",))]
+    recv = [Transfer("a", "exchange", "other", (), ((0, MB),)), Wait(("a",))]
+    assert run([send, recv]) == pytest.approx([LAT + 1.0] * 2)
+
+
+def test_compute_seconds_at_the_speed_all_ranks_get():
+    """``compute_s``: a rank's copying at 1 GB/s, on a shared host at the share every rank gets
+    when all compute (1 core for 2 ranks: half speed; 4 cores for 2: full speed)."""
+    prog = [[Copy(int(0.5e9)), Copy(int(0.25e9))], []]
+    res = lambda **kw: simulate(prog, Topology.parse("2x1"), profile(**kw), "bf16", 64).compute_s  # noqa: E731
+    assert res() == pytest.approx([0.75, 0.0])
+    assert res(host_cores=1.0) == pytest.approx([1.5, 0.0])
+    assert res(host_cores=4.0) == pytest.approx([0.75, 0.0])
+
+
+def test_one_core_at_most_per_rank_and_the_host_shared_when_it_runs_ahead():
+    """A rank alone on a 2-core host computes at one core's speed (1 s of copying takes 1 s),
+    and ranks share the host's cores whether the host waits for the device or not."""
+    cpu = int(1e9)
+    assert run([[Copy(cpu)], []], host_cores=2.0) == pytest.approx([1.0, 0.0])
+    assert run([[Copy(cpu)], [Copy(cpu)]], host_cores=1.0, host_waits=False) == pytest.approx([2.0, 2.0])
+
+
+def test_a_transfer_with_host_cost_shares_its_link_evenly():
+    """Two 1 MB messages share machine 0's 1 MB/s uplink, one of them also costing 0.8 s of the
+    2-core host (not a bottleneck): each takes 2 s."""
+    plain, costly = Rate(1 * MB, LAT), Rate(1 * MB, LAT, cpu_s_per_byte=0.8 / MB)
+    rates = {k: {"intra": plain, "inter": costly if k == "exchange" else plain}
+             for k in ("exchange", "all_to_all", "all_gather", "get", "put")}
+    prog = [[Transfer("a", "exchange", "other", ((2, MB),), ()), Wait(("a",))],
+            [Transfer("a", "put", "other", ((3, MB),)), Wait(("a",))],
+            [Transfer("a", "exchange", "other", (), ((0, MB),)), Wait(("a",))], []]
+    assert run(prog, "2x2", transfers=rates, host_cores=2.0) == pytest.approx([LAT + 2.0] * 3 + [0.0])
+
+
+def test_machine_period_needs_every_op_to_match():
+    """Rank x + M must run rank x's program shifted by M: a longer program, another op or a
+    barrier over other ranks or of the other kind breaks the symmetry (period = N)."""
+    from xfuser_swiftfusion.timeline import machine_period
+    two = Topology.parse("2x1")
+    assert machine_period([[Copy(1)], [Copy(1)]], two) == 1
+    assert machine_period([[Barrier((0, 1))], [Barrier((1, 0))]], two) == 1
+    assert machine_period([[Copy(1)], [Copy(1), Copy(1)]], two) == 2
+    assert machine_period([[Copy(1)], [Copy(2)]], two) == 2
+    assert machine_period([[Barrier((0, 1))], [Barrier((1,))]], two) == 2
+    assert machine_period([[Barrier((0, 1))], [Barrier((0, 1), quiet=False)]], two) == 2
+
+
+def test_a_message_alone_on_its_link_is_not_slowed_by_shared_ones():
+    """Max-min fairness: ranks 0 and 1 share machine 0's uplink (2 s each), rank 2 has machine
+    1's uplink to itself (1 s)."""
+    to = lambda p: [Transfer("a", "put", "other", ((p, MB),)), Wait(("a",))]  # noqa: E731
+    assert run([to(2), to(3), to(0), []], "2x2") == pytest.approx([LAT + 2.0, LAT + 2.0, LAT + 1.0, 0.0])
+
+
+def test_the_host_waits_for_its_own_calls_and_the_device():
+    """Two puts of 0.5 s of host call each, then a wait for the first: the host is done at
+    1.0 s (its second call), not when the first put landed (0.5 s + 1 ms + 0.1 us)."""
+    put = lambda h: Transfer(h, "put", "other", ((1, 1),))  # noqa: E731
+    res = simulate([[put("a"), put("b"), Wait(("a",))], []], Topology.parse("1x2"),
+                   profile(transfer_call_s=0.5), "bf16", 64)
+    assert res.host_s[0] == pytest.approx(1.0)
+
+
+def test_a_message_speeds_up_when_its_link_frees():
+    """0.5 MB and 1 MB share machine 0's 1 MB/s uplink: both at half speed until the first
+    ends (1 s), then the rest of the second at full speed (0.5 s more)."""
+    to = lambda p, n: [Transfer("a", "put", "other", ((p, n),)), Wait(("a",))]  # noqa: E731
+    assert run([to(2, MB // 2), to(3, MB), [], []], "2x2") == pytest.approx([LAT + 1.0, LAT + 1.5, 0.0, 0.0])

@@ -6,7 +6,8 @@ import pytest
 from xfuser_swiftfusion.tools.cli import main as cli_main
 from xfuser_swiftfusion.tools.cli import plan
 from xfuser_swiftfusion.mesh import (choose_mesh, counted_inter_node_elements,
-                                     paper_inter_node_elements_per_machine)
+                                     paper_inter_node_elements_per_machine, torus_mesh,
+                                     torus_padding)
 from xfuser_swiftfusion.topology import (Topology, TopologyError, detect_topology,
                                          topology_from_hostnames)
 
@@ -175,6 +176,12 @@ def test_mixed_case_formulas():
     assert paper_inter_node_elements_per_machine("usp", 4, 2, 4, 1, 8, 1, 1) == (2 * 1 * 2 + 4 * 1 / 2) * 8 / 4
     # SFU with P_u < N (4 x 2, H = 2: U2 R4): (2(N/P_u-1) + 4 (P_u-1)/P_u N/P_u) BLHD/N
     assert paper_inter_node_elements_per_machine("tas", 4, 2, 2, 1, 8, 1, 1) == (2 * 1 + 4 * 0.5 * 2) * 8 / 4
+    # 8 x 1 (N/P_u = 4, N/P_r = 4): SFU U2 R4: (2 * 3 + 4 * 1/2 * 4) BLHD/8; USP U4 R2:
+    # (2 * 1 * 8/2 + 4 * 3/4) BLHD/8
+    assert paper_inter_node_elements_per_machine("tas", 8, 1, 2, 1, 8, 1, 1) == pytest.approx(14.0)
+    assert paper_inter_node_elements_per_machine("usp", 8, 1, 4, 1, 8, 1, 1) == pytest.approx(11.0)
+    # USP U2 R4 on 8 x 1: (2 * 3 * 8/4 + 4 * 1/2) BLHD/8
+    assert paper_inter_node_elements_per_machine("usp", 8, 1, 2, 1, 8, 1, 1) == pytest.approx(14.0)
     # one machine: nothing crosses
     assert paper_inter_node_elements_per_machine("usp", 1, 8, 8, 1, 8, 8, 8) == 0
 
@@ -280,3 +287,46 @@ def test_topology_is_a_value():
     assert {Topology(2, 2): "a"}[Topology.parse("2x2")] == "a"
     with pytest.raises(dataclasses.FrozenInstanceError):
         Topology(2, 2).nodes = 3
+
+
+def test_pass_ring_counts_what_each_rank_sends_to_the_next():
+    """USP on 2x2 with one head: one ring (0, 1, 2, 3) over both machines; a rank sends K and V
+    (X = B L/W H D elements each) to the next ring rank in each of the R - 1 = 3 steps, so only
+    ranks 1 (to 2) and 3 (to 0) send across machines."""
+    mesh = choose_mesh(Topology(2, 2), 1, "usp")
+    assert mesh.ring_groups == [(0, 1, 2, 3)] and mesh.ulysses == 1
+    X = 2 * (8 // 4) * 1 * 4
+    assert counted_inter_node_elements(mesh, 2, 8, 1, 4, "pass") == [0, 6 * X, 0, 6 * X]
+    # one-sided: each rank's K and V pulled once by each ring peer; 2 of its 3 peers are on the
+    # other machine
+    assert counted_inter_node_elements(mesh, 2, 8, 1, 4, "pull") == [4 * X] * 4
+
+
+def test_torus_padding_is_the_smallest_head_count_the_torus_runs():
+    """tas, node-major: torus-ready exactly when N divides gcd(N*M, H') (docstring): 2x4, H = 3
+    pads to 4 (= H + 1); 4x1, H = 2 pads to 4 (= 2H); 4x1, H = 3: 4; 2x2, H = 2: nothing."""
+    assert torus_padding(Topology(2, 4), 3) == 4
+    assert torus_padding(Topology(4, 1), 2) == 4
+    assert torus_padding(Topology(4, 1), 3) == 4
+    assert torus_padding(Topology(2, 2), 2) is None
+    mesh, heads = torus_mesh(Topology(4, 1), 2)  # padded by default
+    assert heads == 4 and mesh == choose_mesh(Topology(4, 1), 4)
+    assert torus_mesh(Topology(4, 1), 2, pad=False) == (choose_mesh(Topology(4, 1), 2), 2)
+
+
+def test_mesh_is_a_value():
+    a, b = choose_mesh(Topology(2, 4), 8), choose_mesh(Topology(2, 4), 8)
+    assert a == b and len({a, b}) == 1
+
+
+def test_machines_from_labels():
+    """Rank i on machine machine_of[i]: machines numbered by their lowest rank, ranks in order."""
+    topo = Topology.from_machines([5, 7, 5, 7])
+    assert (topo.nodes, topo.gpus_per_node) == (2, 2)
+    assert topo.machines() == [(0, 2), (1, 3)]
+    assert [topo.node_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert Topology.from_machines([0, 0, 1, 1]).machines() == [(0, 1), (2, 3)]
+    assert Topology(2, 3).machines() == [(0, 1, 2), (3, 4, 5)]
+    for bad in ([0, 0, 1], []):
+        with pytest.raises(TopologyError):
+            Topology.from_machines(bad)

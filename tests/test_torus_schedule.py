@@ -22,7 +22,7 @@ from xfuser_swiftfusion.kernels import AttnState
 from xfuser_swiftfusion.mesh import Mesh
 from xfuser_swiftfusion.strategies import torus
 from xfuser_swiftfusion.strategies.layout import Joint, Slots, gather_output
-from xfuser_swiftfusion.strategies.torus import TEXT, Step, TorusAttention, torus_schedule
+from xfuser_swiftfusion.strategies.torus import TEXT, Step, TorusAttention, ring_peers, torus_schedule
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
@@ -212,8 +212,10 @@ def new_state64(q: torch.Tensor) -> AttnState:
                      l=q.new_zeros(B, h, L, dtype=torch.float64))
 
 
-def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None):
-    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined."""
+def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, key_masks=None):
+    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined
+    (no key masks: these tests pass none)."""
+    assert key_masks is None
     if kv_chunks:
         k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h, sum Lk_j, D]
         for q, s in zip(q_chunks, states):
@@ -250,6 +252,7 @@ class FakeIO:
 
     def __init__(self, mesh: Mesh, rank: int, q, k, v, text_len: int, fleet: dict) -> None:
         self.mesh, self.fleet, self.glob = mesh, fleet, {"Q": q, "K": k, "V": v}
+        self.text_len, self.barriers = text_len, 0
         self.t, self.u, self.r = mesh.coords(rank)
         T, U = mesh.torus, mesh.ulysses_intra
         B, H, L, D = q.shape
@@ -267,6 +270,7 @@ class FakeIO:
         return torch.stack([x[:, :, i:i + self.S] for i in starts])
 
     def stage_in(self, q, k, v, text_len):
+        assert text_len == self.text_len, (text_len, self.text_len)  # sizes the real slots
         for n in ("Q", "K", "V"):  # steps 1-2: my machine's tokens of my head group
             self.buf[n][self.t] = self.block(n, self.t)
 
@@ -287,8 +291,17 @@ class FakeIO:
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
             attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale)
 
+    def ring_all(self, a, *, what):
+        """Every ring peer's block ``a`` (mine as it stands in my buffer): (ring rank, its U
+        (K, V) chunks)."""
+        out = []
+        for r2 in range(self.mesh.ring):
+            k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
+            out.append((r2, list(zip(k.unbind(0), v.unbind(0)))))
+        return out
+
     def barrier_ring(self, *, what):
-        pass
+        self.barriers += 1
 
     def push_o(self, k):
         T, t, u = self.mesh.torus, self.t, self.u
@@ -300,8 +313,10 @@ class FakeIO:
         return self.Ob
 
 
-def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front") -> list[float]:
-    """Run ``TorusAttention`` for every rank (one after the other) and return each rank's max
+def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
+                 launches: str = "ring", fleet: dict | None = None) -> list[float]:
+    """Run ``TorusAttention`` (``launches``: ``torus_schedule``'s steps or ``fused_schedule``'s
+    launches, the GPU default) for every rank (one after the other) and return each rank's max
     error against fp64 softmax attention over the whole sequence [text; image]."""
     mesh, W = make_mesh(T, U, R), T * U * R
     B, H, S, D, scale = 2, 2 * T * U, 3, 4, 0.4
@@ -309,12 +324,12 @@ def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front") -> list[
     q, k, v = (torch.randn(B, H, W * S, D, generator=g, dtype=torch.float64) for _ in range(3))
     jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g, dtype=torch.float64) for _ in range(3))
     joint = Joint(jq, jk, jv, where) if Tj else None
-    fleet: dict[int, FakeIO] = {}
+    fleet = {} if fleet is None else fleet  # rank -> its FakeIO
     fleet.update({x: FakeIO(mesh, x, q, k, v, Tj, fleet) for x in range(W)})
     mine = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731
     for x in range(W):  # pushes land in the peers' Ob, complete once every rank ran
         # the layer's calls run directly (no plan): FakeIO's work is plain torch
-        TorusAttention(None, mesh, fleet[x], x, []).layer(q[:, :, mine(x)], k[:, :, mine(x)],
+        TorusAttention(None, mesh, fleet[x], x, [], {"launches": launches}).layer(q[:, :, mine(x)], k[:, :, mine(x)],
                                                           v[:, :, mine(x)], joint, scale)
     errors = []
     for x in range(W):
@@ -333,6 +348,43 @@ def fp64_kernel(monkeypatch):
 @pytest.mark.parametrize("T,U,R", MESHES)
 def test_matches_softmax_attention(fp64_kernel, T, U, R, Tj, where):
     errors = torus_errors(T, U, R, Tj, where)
+    assert max(errors) <= 1e-10, errors
+
+
+def test_every_ring_barrier_of_the_schedule_reaches_the_transport(fp64_kernel):
+    fleet: dict[int, FakeIO] = {}
+    torus_errors(3, 2, 2, 2, fleet=fleet)
+    mesh = make_mesh(3, 2, 2)
+    want = {x: sum(s.kind == "barrier_ring" for s in torus_schedule(3, mesh.coords(x)[0], True))
+            for x in fleet}
+    assert {x: io.barriers for x, io in fleet.items()} == want and min(want.values()) > 0
+
+
+def test_steps_are_values_and_the_launches_option_is_checked():
+    assert len({*torus_schedule(2, 0, True), *torus_schedule(2, 0, True)}) == len(set(torus_schedule(2, 0, True)))
+    assert torus.launches_option({}) is None and torus.launches_option({"launches": "stage"}) == "stage"
+    with pytest.raises(ValueError, match="launches"):
+        torus.launches_option({"launches": "fused"})
+
+
+def test_torus_runs_only_on_torus_ready_meshes():
+    """3x2 with one head: U1 x R6, the ring crosses machines: no Torus schedule there."""
+    from xfuser_swiftfusion.mesh import choose_mesh
+    assert not torus.SPEC.runs_on(choose_mesh(Topology(3, 2), 1))
+    assert torus.SPEC.runs_on(choose_mesh(Topology(3, 2), 6))
+
+
+def test_ring_peers_from_the_next_one_on():
+    assert ring_peers((10, 11, 12, 13), 1) == [(2, 12), (3, 13), (0, 10)]
+    assert ring_peers((5, 7), 0) == [(1, 7)] and ring_peers((5, 7), 1) == [(0, 5)]
+    assert ring_peers((4,), 0) == []
+
+
+@pytest.mark.parametrize("Tj,where", [(0, "front"), (2, "front"), (3, "rear")])
+@pytest.mark.parametrize("T,U,R", [(1, 2, 2), (2, 1, 2), (3, 2, 2), (4, 2, 1)])
+def test_fused_launches_match_softmax_attention(fp64_kernel, T, U, R, Tj, where):
+    """The fused schedule (one launch per stage against the ring group's gathered K/V)."""
+    errors = torus_errors(T, U, R, Tj, where, launches="stage")
     assert max(errors) <= 1e-10, errors
 
 
