@@ -107,26 +107,23 @@ def test_build_groups_device_type(monkeypatch):
         assert build_groups(mesh, 0).device_type == device
 
 
-def test_device_mesh_of_one_process():
-    """A one-rank gloo world: the device mesh names its dimensions, is built once, and its
-    Ulysses and ring groups hold this rank."""
-    import socket
+def _device_mesh_on_rank():
     import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    from xfuser_swiftfusion import groups
-    meshes, flat = dict(groups._MESHES), dict(groups._FLAT)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        g = SPGroups(choose_mesh(Topology(1, 1), 1), 0)
-        dm = g.device_mesh
-        assert dm.mesh_dim_names == ("torus", "ulysses", "ring") and dm.mesh.tolist() == [[[0]]]
-        assert g.device_mesh is dm and SPGroups(g.mesh, 0).device_mesh is dm
-        assert dist.get_process_group_ranks(g.ulysses_group()) == [0]
-        assert dist.get_process_group_ranks(g.ulysses_group()) == [0]  # flattened once
-        assert dist.get_process_group_ranks(g.ring_group()) == [0]
-    finally:
-        dist.destroy_process_group()
-        groups._MESHES.clear(), groups._FLAT.clear()  # no entry of this world outlives it
-        groups._MESHES.update(meshes), groups._FLAT.update(flat)
+    g = SPGroups(choose_mesh(Topology(1, 1), 1), 0)
+    dm = g.device_mesh
+    return (dm.mesh_dim_names, dm.mesh.tolist(), g.device_mesh is dm,
+            SPGroups(g.mesh, 0).device_mesh is dm,
+            [dist.get_process_group_ranks(g.ulysses_group()) for _ in range(2)],  # flattened once
+            dist.get_process_group_ranks(g.ring_group()))
+
+
+def test_device_mesh_of_one_process():
+    """A one-rank gloo world (an emulated rank: a gloo world in the pytest process would leave
+    its threads behind for every later fork): the device mesh names its dimensions, is built
+    once, and its Ulysses and ring groups hold this rank."""
+    from xfuser_swiftfusion.emulation.launcher import run_emulated
+    ((names, mesh, once, same, ulysses, ring),) = run_emulated(_device_mesh_on_rank, "1x1",
+                                                               timeout_s=60)
+    assert names == ("torus", "ulysses", "ring") and mesh == [[[0]]]
+    assert once and same
+    assert ulysses == [[0], [0]] and ring == [0]
