@@ -21,7 +21,7 @@ import torch
 from xfuser_swiftfusion.kernels import AttnState
 from xfuser_swiftfusion.mesh import Mesh
 from xfuser_swiftfusion.strategies import torus
-from xfuser_swiftfusion.strategies.layout import Joint, Slots, gather_output
+from xfuser_swiftfusion.strategies.layout import Joint, KeyMask, Slots, gather_output
 from xfuser_swiftfusion.strategies.torus import TEXT, Step, TorusAttention, ring_peers, torus_schedule
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
@@ -213,15 +213,22 @@ def new_state64(q: torch.Tensor) -> AttnState:
 
 
 def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, key_masks=None):
-    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined
-    (no key masks: these tests pass none)."""
-    assert key_masks is None
+    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined;
+    ``key_masks[j]``: bool [B, Lk_j] (True = attend) or None."""
     if kv_chunks:
         k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h, sum Lk_j, D]
+        keep = None
+        if key_masks is not None:
+            assert len(key_masks) == len(kv_chunks), (len(key_masks), len(kv_chunks))
+            keep = torch.cat([torch.ones(k.shape[0], c.shape[2], dtype=torch.bool) if m is None else m
+                              for m, (c, _) in zip(key_masks, kv_chunks)], 1)  # [B, sum Lk_j]
         for q, s in zip(q_chunks, states):
             p = q @ k.transpose(-1, -2) * scale  # [B, h, Lq, Lk]
+            if keep is not None:
+                p = p.masked_fill(~keep[:, None, None, :], -math.inf)
             m = torch.maximum(s.m, p.amax(-1))
-            e, f = torch.exp(p - m.unsqueeze(-1)), torch.exp(s.m - m)
+            m0 = m.masked_fill(m == -math.inf, 0.0)  # rows without keys so far: factors 0
+            e, f = torch.exp(p - m0.unsqueeze(-1)), torch.exp(s.m - m0)
             s.acc.mul_(f.unsqueeze(-1)).add_(e @ v)
             s.l.mul_(f).add_(e.sum(-1))
             s.m.copy_(m)
@@ -286,10 +293,11 @@ class FakeIO:
     def kv_block(self, a):
         return self.buf["K"][a], self.buf["V"][a]
 
-    def ring(self, q_chunks, states, a, *, scale, what):
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
         for r2 in range(self.mesh.ring):  # ring peer r2's block a (mine as it stands in my buffer)
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
-            attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale)
+            attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale,
+                     key_masks=None if masks is None else masks(r2))
 
     def ring_all(self, a, *, what):
         """Every ring peer's block ``a`` (mine as it stands in my buffer): (ring rank, its U
@@ -314,26 +322,33 @@ class FakeIO:
 
 
 def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
-                 launches: str = "ring", fleet: dict | None = None) -> list[float]:
+                 launches: str = "ring", fleet: dict | None = None, masked: bool = False) -> list[float]:
     """Run ``TorusAttention`` (``launches``: ``torus_schedule``'s steps or ``fused_schedule``'s
     launches, the GPU default) for every rank (one after the other) and return each rank's max
-    error against fp64 softmax attention over the whole sequence [text; image]."""
+    error against fp64 softmax attention over the whole sequence [text; image] (``masked``:
+    under a random key mask of the image and of the text keys)."""
     mesh, W = make_mesh(T, U, R), T * U * R
     B, H, S, D, scale = 2, 2 * T * U, 3, 4, 0.4
     g = torch.Generator().manual_seed(T * 100 + U * 10 + R + Tj)
     q, k, v = (torch.randn(B, H, W * S, D, generator=g, dtype=torch.float64) for _ in range(3))
     jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g, dtype=torch.float64) for _ in range(3))
     joint = Joint(jq, jk, jv, where) if Tj else None
+    key_mask = tokens = text = None
+    if masked:
+        tokens, text = torch.rand(B, W * S, generator=g) < 0.6, torch.rand(B, Tj, generator=g) < 0.6
+        tokens[:, 0] = True  # every query keeps a key
+        key_mask = KeyMask(tokens, S, text if Tj else None)
     fleet = {} if fleet is None else fleet  # rank -> its FakeIO
     fleet.update({x: FakeIO(mesh, x, q, k, v, Tj, fleet) for x in range(W)})
     mine = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731
     for x in range(W):  # pushes land in the peers' Ob, complete once every rank ran
         # the layer's calls run directly (no plan): FakeIO's work is plain torch
         TorusAttention(None, mesh, fleet[x], x, [], {"launches": launches}).layer(q[:, :, mine(x)], k[:, :, mine(x)],
-                                                          v[:, :, mine(x)], joint, scale)
+                                                          v[:, :, mine(x)], joint, scale, key_mask)
     errors = []
     for x in range(W):
-        out, want = gather_output(fleet[x].Ob, joint), rank_rows(q, k, v, x, W, (jq, jk, jv), where, scale)
+        out = gather_output(fleet[x].Ob, joint)
+        want = rank_rows(q, k, v, x, W, (jq, jk, jv), where, scale, tokens, text if Tj else None)
         errors.append(max_abs_err(out, want) if out.shape == want.shape else math.inf)
     return errors
 
@@ -395,3 +410,11 @@ def test_numerics_catch_broken_schedules(fp64_kernel, monkeypatch, name):
     monkeypatch.setattr(torus, "torus_schedule", lambda T, t, text: mutate(torus_schedule(T, t, text)))
     errors = torus_errors(3, 2, 2, 2)
     assert not max(errors) <= 1e-10, errors  # NaN (data used before it landed) fails too
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("T,U,R,Tj", [(3, 2, 2, 2), (2, 1, 3, 0)])
+def test_key_masks_reach_every_block_and_the_text(fp64_kernel, launches, T, U, R, Tj):
+    """Each ring peer's block under its own tokens' mask, the text keys under theirs."""
+    errors = torus_errors(T, U, R, Tj, launches=launches, masked=True)
+    assert max(errors) <= 1e-10, errors
