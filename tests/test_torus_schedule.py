@@ -11,6 +11,7 @@ Each check is also shown to fail on a broken copy of the schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from xfuser_swiftfusion.kernels import AttnState
 from xfuser_swiftfusion.mesh import Mesh
 from xfuser_swiftfusion.strategies import torus
 from xfuser_swiftfusion.strategies.layout import Joint, KeyMask, Slots, gather_output
-from xfuser_swiftfusion.strategies.torus import TEXT, Step, TorusAttention, ring_peers, torus_schedule
+from xfuser_swiftfusion.strategies.torus import TEXT, Launch, Step, TorusAttention, ring_peers, torus_schedule
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
@@ -216,7 +217,9 @@ def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, ke
     """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined;
     ``key_masks[j]``: bool [B, Lk_j] (True = attend) or None."""
     if kv_chunks:
-        k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h, sum Lk_j, D]
+        k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h_kv, sum Lk_j, D]
+        f = q_chunks[0].shape[1] // k.shape[1]  # GQA: query head i reads K/V head i // f
+        k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
         keep = None
         if key_masks is not None:
             assert len(key_masks) == len(kv_chunks), (len(key_masks), len(kv_chunks))
@@ -259,25 +262,28 @@ class FakeIO:
 
     def __init__(self, mesh: Mesh, rank: int, q, k, v, text_len: int, fleet: dict) -> None:
         self.mesh, self.fleet, self.glob = mesh, fleet, {"Q": q, "K": k, "V": v}
-        self.text_len, self.barriers = text_len, 0
+        self.text_len, self.barriers, self.rank, self.calls = text_len, 0, rank, Counter()
         self.t, self.u, self.r = mesh.coords(rank)
         T, U = mesh.torus, mesh.ulysses_intra
         B, H, L, D = q.shape
         self.h, self.S = H // (T * U), L // mesh.world_size
         nan = lambda shape: q.new_full(shape, math.nan)  # noqa: E731
         self.O, self.Ob = (Slots.alloc(nan, (T, U), B, self.h, self.S, text_len, D) for _ in range(2))
-        kv = (T, U, B, self.h, self.S, D)
+        kv = (T, U, B, k.shape[1] // (T * U), self.S, D)  # K/V: H_kv heads (GQA) split alike
         self.buf = {"Q": self.O.rows, "K": nan(kv), "V": nan(kv)}  # [T, U, B, h, S, D] each
 
     def block(self, name: str, a: int, r: int | None = None) -> torch.Tensor:
         """``[U, B, h, S, D]``: tokens of GPUs (a, :, r), my head group (t, u)."""
         g, r = self.t * self.mesh.ulysses_intra + self.u, self.r if r is None else r
-        x = self.glob[name][:, g * self.h:(g + 1) * self.h]
+        h = self.glob[name].shape[1] // (self.mesh.torus * self.mesh.ulysses_intra)
+        x = self.glob[name][:, g * h:(g + 1) * h]
         starts = [self.mesh.rank_of(a, b, r) * self.S for b in range(self.mesh.ulysses_intra)]
         return torch.stack([x[:, :, i:i + self.S] for i in starts])
 
     def stage_in(self, q, k, v, text_len):
         assert text_len == self.text_len, (text_len, self.text_len)  # sizes the real slots
+        mine = slice(self.rank * self.S, (self.rank + 1) * self.S)
+        assert torch.equal(k, self.glob["K"][:, :, mine]) and torch.equal(v, self.glob["V"][:, :, mine])
         for n in ("Q", "K", "V"):  # steps 1-2: my machine's tokens of my head group
             self.buf[n][self.t] = self.block(n, self.t)
 
@@ -294,6 +300,7 @@ class FakeIO:
         return self.buf["K"][a], self.buf["V"][a]
 
     def ring(self, q_chunks, states, a, *, scale, what, masks=None):
+        self.calls["ring"] += 1
         for r2 in range(self.mesh.ring):  # ring peer r2's block a (mine as it stands in my buffer)
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
             attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale,
@@ -302,6 +309,7 @@ class FakeIO:
     def ring_all(self, a, *, what):
         """Every ring peer's block ``a`` (mine as it stands in my buffer): (ring rank, its U
         (K, V) chunks)."""
+        self.calls["ring_all"] += 1
         out = []
         for r2 in range(self.mesh.ring):
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
@@ -322,16 +330,21 @@ class FakeIO:
 
 
 def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
-                 launches: str = "ring", fleet: dict | None = None, masked: bool = False) -> list[float]:
+                 launches: str | None = "ring", fleet: dict | None = None, masked: bool = False,
+                 kv_heads: int | None = None) -> list[float]:
     """Run ``TorusAttention`` (``launches``: ``torus_schedule``'s steps or ``fused_schedule``'s
     launches, the GPU default) for every rank (one after the other) and return each rank's max
     error against fp64 softmax attention over the whole sequence [text; image] (``masked``:
-    under a random key mask of the image and of the text keys)."""
+    under a random key mask of the image and of the text keys; ``kv_heads``: grouped-query K/V
+    of that many heads, which the transport holds repeated to ``lcm(kv_heads, T U)`` heads)."""
     mesh, W = make_mesh(T, U, R), T * U * R
     B, H, S, D, scale = 2, 2 * T * U, 3, 4, 0.4
     g = torch.Generator().manual_seed(T * 100 + U * 10 + R + Tj)
-    q, k, v = (torch.randn(B, H, W * S, D, generator=g, dtype=torch.float64) for _ in range(3))
-    jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g, dtype=torch.float64) for _ in range(3))
+    Hkv = H if kv_heads is None else kv_heads
+    q, k, v = (torch.randn(B, h, W * S, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    jq, jk, jv = (torch.randn(B, h, Tj, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    f = math.lcm(Hkv, T * U) // Hkv
+    wide = lambda x: x.repeat_interleave(f, dim=1)  # noqa: E731  [B, H_kv f, L, D], head i <- i // f
     joint = Joint(jq, jk, jv, where) if Tj else None
     key_mask = tokens = text = None
     if masked:
@@ -339,11 +352,12 @@ def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
         tokens[:, 0] = True  # every query keeps a key
         key_mask = KeyMask(tokens, S, text if Tj else None)
     fleet = {} if fleet is None else fleet  # rank -> its FakeIO
-    fleet.update({x: FakeIO(mesh, x, q, k, v, Tj, fleet) for x in range(W)})
+    fleet.update({x: FakeIO(mesh, x, q, wide(k), wide(v), Tj, fleet) for x in range(W)})
     mine = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731
     for x in range(W):  # pushes land in the peers' Ob, complete once every rank ran
         # the layer's calls run directly (no plan): FakeIO's work is plain torch
-        TorusAttention(None, mesh, fleet[x], x, [], {"launches": launches}).layer(q[:, :, mine(x)], k[:, :, mine(x)],
+        options = {} if launches is None else {"launches": launches}
+        TorusAttention(torus.SPEC, mesh, fleet[x], x, [], options).layer(q[:, :, mine(x)], k[:, :, mine(x)],
                                                           v[:, :, mine(x)], joint, scale, key_mask)
     errors = []
     for x in range(W):
@@ -418,3 +432,33 @@ def test_key_masks_reach_every_block_and_the_text(fp64_kernel, launches, T, U, R
     """Each ring peer's block under its own tokens' mask, the text keys under theirs."""
     errors = torus_errors(T, U, R, Tj, launches=launches, masked=True)
     assert max(errors) <= 1e-10, errors
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_grouped_query_kv_repeated_to_split_into_the_head_groups(fp64_kernel, launches, kv_heads):
+    """T U = 4 head groups, 8 query heads, 2 or 1 K/V heads (and text K/V): the K/V reach the
+    transport repeated to 4 heads, one per group."""
+    errors = torus_errors(2, 2, 1, 2, launches=launches, kv_heads=kv_heads)
+    assert max(errors) <= 1e-10, errors
+
+
+@pytest.mark.parametrize("launches,calls", [(None, "ring"), ("ring", "ring"), ("stage", "ring_all")])
+def test_the_launches_option_picks_the_schedule(fp64_kernel, launches, calls):
+    """No option on CPU tensors: the ring schedule; ``stage``: the fused launches (each over
+    its ring group's K/V at once)."""
+    fleet: dict[int, FakeIO] = {}
+    assert max(torus_errors(2, 1, 2, 0, launches=launches, fleet=fleet)) <= 1e-10
+    assert {n for io in fleet.values() for n in io.calls} == {calls}
+    mesh = make_mesh(2, 1, 2)
+    assert TorusAttention(torus.SPEC, mesh, fleet[0], 0, [], None).launches is None
+
+
+def test_launches_are_values_and_torus_is_listed_after_tas():
+    a = Launch("w", (0,), (1, TEXT))
+    assert {a, Launch("w", (0,), (1, TEXT))} == {a}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.finalize = True  # type: ignore[misc]
+    from xfuser_swiftfusion.strategies.registry import specs
+    names = [s.name for s in specs()]
+    assert names.index("tas") < names.index("torus") < names.index("swiftfusion") < names.index("auto")
