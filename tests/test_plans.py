@@ -288,6 +288,7 @@ class _FakeCuda:
     def __init__(self, monkeypatch, fail: bool = False) -> None:
         import contextlib
         self.capturing, self.graph, self.fail = False, None, fail
+        self.log: list[str] = []  # stream waits and captures, in order
         fake = self
 
         class Graph:
@@ -302,12 +303,13 @@ class _FakeCuda:
             device = torch.device("cpu")
 
             def wait_stream(self, other) -> None:
-                pass
+                fake.log.append("wait_stream")
 
         @contextlib.contextmanager
         def graph(g, stream=None, capture_error_mode="global"):
             assert capture_error_mode == "thread_local"  # the watchdogs keep querying meanwhile
             fake.capturing, fake.graph = True, g
+            fake.log.append("capture")
             try:
                 yield
             except BaseException:  # capture_end on an invalidated capture raises its own error
@@ -400,6 +402,65 @@ def test_graphs_capture_at_the_second_call_and_replay_after(monkeypatch, caplog)
     assert comm.counter.inter_node_bytes == 8 * 4  # replays count what their capture issued
     assert dispatch.attend_calls() - attends == 4
     assert cache.stats()["graphs_captured"] == 1
+    assert cuda.log == ["wait_stream", "capture"]  # the capture stream waits for the inputs' copies
+
+
+def _copying_layer(cuda, comm):
+    """A layer whose step counts one copy in ``comm.copies`` (a ``replay_counts`` counter)."""
+    def layer(q, k, v, joint, scale, key_mask=None):
+        out = torch.empty(q.shape)
+
+        def step():
+            comm.copies += 1
+        plan.call(step)
+        plan.call(cuda.work(lambda: out.copy_(q - 1)))
+        return plan.output(lambda: out.clone())
+    return layer
+
+
+def test_replays_advance_the_communicators_own_counters_and_raise_their_errors(monkeypatch):
+    cuda, comm = _FakeCuda(monkeypatch), _Comm()
+    comm.replay_counts, comm.copies, checks = ("copies",), 0, []
+
+    def check():
+        checks.append(comm.copies)
+        if len(checks) == 3:
+            raise RuntimeError("watchdog: rank 1 stopped answering")
+    comm.check = check
+    cache = PlanCache(_copying_layer(cuda, comm), comms=[comm], graphs=None, name="copying layer")
+    for _ in range(4):  # warm-up, capture, two replays
+        q = torch.randn(2, 3)
+        assert torch.equal(cache(q, q, q, None, 1.0), q - 1)
+    assert comm.copies == 4 and checks == [2, 3]  # each replay counts the one copy it does
+    with pytest.raises(RuntimeError, match="stopped answering"):  # a watchdog's finding
+        cache(q, q, q, None, 1.0)
+
+
+def test_graphs_off_where_a_communicator_refuses_capture(caplog):
+    comm = _Comm()
+    comm.capture_refused = "a stand-in heap copies on the host"
+    cache = PlanCache(lambda *a: None, comms=[comm], graphs=None, name="refused layer")
+    with caplog.at_level("WARNING"):
+        assert cache._graphs_on(torch.device("cuda", 0)) is False
+    assert any("stand-in heap" in r.getMessage() for r in caplog.records)
+
+
+def test_a_strategys_cache_takes_its_options_and_its_spec_name(monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.delenv("SWIFTFUSION_CUDA_GRAPHS", raising=False)
+
+    class Named:
+        spec, comms = SimpleNamespace(name="torus"), []
+
+        def layer(self, *a):
+            return None
+
+    class Plain(Named):
+        spec = None
+    off = PlanCache.for_strategy(Named(), {"cuda_graphs": False})
+    assert (off.graphs, off.name) == (False, "torus")
+    default = PlanCache.for_strategy(Plain(), None)
+    assert (default.graphs, default.name) == (None, "Plain")
 
 
 def test_a_failed_capture_runs_the_plan_eagerly_and_says_why_once(monkeypatch, caplog):
@@ -510,3 +571,4 @@ def test_replay_doing_names_six_stages_then_counts_the_rest():
     text = replay_doing("torus", six + [(None, "barrier", "s6"), ((0, 2), "get", "s6")], 0)
     assert "'s5'" in text and "'s6'" not in text and "and 1 more" in text
     assert "peers [1, 2]" in text and "a barrier over all ranks" in text and "8 transfers" in text
+    assert "a barrier over all ranks" not in replay_doing("torus", six, 0)

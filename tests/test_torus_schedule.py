@@ -11,6 +11,7 @@ Each check is also shown to fail on a broken copy of the schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -21,8 +22,8 @@ import torch
 from xfuser_swiftfusion.kernels import AttnState
 from xfuser_swiftfusion.mesh import Mesh
 from xfuser_swiftfusion.strategies import torus
-from xfuser_swiftfusion.strategies.layout import Joint, Slots, gather_output
-from xfuser_swiftfusion.strategies.torus import TEXT, Step, TorusAttention, ring_peers, torus_schedule
+from xfuser_swiftfusion.strategies.layout import Joint, KeyMask, Slots, gather_output
+from xfuser_swiftfusion.strategies.torus import TEXT, Launch, Step, TorusAttention, ring_peers, torus_schedule
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
@@ -213,15 +214,24 @@ def new_state64(q: torch.Tensor) -> AttnState:
 
 
 def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, key_masks=None):
-    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined
-    (no key masks: these tests pass none)."""
-    assert key_masks is None
+    """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined;
+    ``key_masks[j]``: bool [B, Lk_j] (True = attend) or None."""
     if kv_chunks:
-        k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h, sum Lk_j, D]
+        k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h_kv, sum Lk_j, D]
+        f = q_chunks[0].shape[1] // k.shape[1]  # GQA: query head i reads K/V head i // f
+        k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
+        keep = None
+        if key_masks is not None:
+            assert len(key_masks) == len(kv_chunks), (len(key_masks), len(kv_chunks))
+            keep = torch.cat([torch.ones(k.shape[0], c.shape[2], dtype=torch.bool) if m is None else m
+                              for m, (c, _) in zip(key_masks, kv_chunks)], 1)  # [B, sum Lk_j]
         for q, s in zip(q_chunks, states):
             p = q @ k.transpose(-1, -2) * scale  # [B, h, Lq, Lk]
+            if keep is not None:
+                p = p.masked_fill(~keep[:, None, None, :], -math.inf)
             m = torch.maximum(s.m, p.amax(-1))
-            e, f = torch.exp(p - m.unsqueeze(-1)), torch.exp(s.m - m)
+            m0 = m.masked_fill(m == -math.inf, 0.0)  # rows without keys so far: factors 0
+            e, f = torch.exp(p - m0.unsqueeze(-1)), torch.exp(s.m - m0)
             s.acc.mul_(f.unsqueeze(-1)).add_(e @ v)
             s.l.mul_(f).add_(e.sum(-1))
             s.m.copy_(m)
@@ -252,25 +262,28 @@ class FakeIO:
 
     def __init__(self, mesh: Mesh, rank: int, q, k, v, text_len: int, fleet: dict) -> None:
         self.mesh, self.fleet, self.glob = mesh, fleet, {"Q": q, "K": k, "V": v}
-        self.text_len, self.barriers = text_len, 0
+        self.text_len, self.barriers, self.rank, self.calls = text_len, 0, rank, Counter()
         self.t, self.u, self.r = mesh.coords(rank)
         T, U = mesh.torus, mesh.ulysses_intra
         B, H, L, D = q.shape
         self.h, self.S = H // (T * U), L // mesh.world_size
         nan = lambda shape: q.new_full(shape, math.nan)  # noqa: E731
         self.O, self.Ob = (Slots.alloc(nan, (T, U), B, self.h, self.S, text_len, D) for _ in range(2))
-        kv = (T, U, B, self.h, self.S, D)
+        kv = (T, U, B, k.shape[1] // (T * U), self.S, D)  # K/V: H_kv heads (GQA) split alike
         self.buf = {"Q": self.O.rows, "K": nan(kv), "V": nan(kv)}  # [T, U, B, h, S, D] each
 
     def block(self, name: str, a: int, r: int | None = None) -> torch.Tensor:
         """``[U, B, h, S, D]``: tokens of GPUs (a, :, r), my head group (t, u)."""
         g, r = self.t * self.mesh.ulysses_intra + self.u, self.r if r is None else r
-        x = self.glob[name][:, g * self.h:(g + 1) * self.h]
+        h = self.glob[name].shape[1] // (self.mesh.torus * self.mesh.ulysses_intra)
+        x = self.glob[name][:, g * h:(g + 1) * h]
         starts = [self.mesh.rank_of(a, b, r) * self.S for b in range(self.mesh.ulysses_intra)]
         return torch.stack([x[:, :, i:i + self.S] for i in starts])
 
     def stage_in(self, q, k, v, text_len):
         assert text_len == self.text_len, (text_len, self.text_len)  # sizes the real slots
+        mine = slice(self.rank * self.S, (self.rank + 1) * self.S)
+        assert torch.equal(k, self.glob["K"][:, :, mine]) and torch.equal(v, self.glob["V"][:, :, mine])
         for n in ("Q", "K", "V"):  # steps 1-2: my machine's tokens of my head group
             self.buf[n][self.t] = self.block(n, self.t)
 
@@ -286,14 +299,17 @@ class FakeIO:
     def kv_block(self, a):
         return self.buf["K"][a], self.buf["V"][a]
 
-    def ring(self, q_chunks, states, a, *, scale, what):
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
+        self.calls["ring"] += 1
         for r2 in range(self.mesh.ring):  # ring peer r2's block a (mine as it stands in my buffer)
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
-            attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale)
+            attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale,
+                     key_masks=None if masks is None else masks(r2))
 
     def ring_all(self, a, *, what):
         """Every ring peer's block ``a`` (mine as it stands in my buffer): (ring rank, its U
         (K, V) chunks)."""
+        self.calls["ring_all"] += 1
         out = []
         for r2 in range(self.mesh.ring):
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
@@ -314,26 +330,39 @@ class FakeIO:
 
 
 def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
-                 launches: str = "ring", fleet: dict | None = None) -> list[float]:
+                 launches: str | None = "ring", fleet: dict | None = None, masked: bool = False,
+                 kv_heads: int | None = None) -> list[float]:
     """Run ``TorusAttention`` (``launches``: ``torus_schedule``'s steps or ``fused_schedule``'s
     launches, the GPU default) for every rank (one after the other) and return each rank's max
-    error against fp64 softmax attention over the whole sequence [text; image]."""
+    error against fp64 softmax attention over the whole sequence [text; image] (``masked``:
+    under a random key mask of the image and of the text keys; ``kv_heads``: grouped-query K/V
+    of that many heads, which the transport holds repeated to ``lcm(kv_heads, T U)`` heads)."""
     mesh, W = make_mesh(T, U, R), T * U * R
     B, H, S, D, scale = 2, 2 * T * U, 3, 4, 0.4
     g = torch.Generator().manual_seed(T * 100 + U * 10 + R + Tj)
-    q, k, v = (torch.randn(B, H, W * S, D, generator=g, dtype=torch.float64) for _ in range(3))
-    jq, jk, jv = (torch.randn(B, H, Tj, D, generator=g, dtype=torch.float64) for _ in range(3))
+    Hkv = H if kv_heads is None else kv_heads
+    q, k, v = (torch.randn(B, h, W * S, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    jq, jk, jv = (torch.randn(B, h, Tj, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    f = math.lcm(Hkv, T * U) // Hkv
+    wide = lambda x: x.repeat_interleave(f, dim=1)  # noqa: E731  [B, H_kv f, L, D], head i <- i // f
     joint = Joint(jq, jk, jv, where) if Tj else None
+    key_mask = tokens = text = None
+    if masked:
+        tokens, text = torch.rand(B, W * S, generator=g) < 0.6, torch.rand(B, Tj, generator=g) < 0.6
+        tokens[:, 0] = True  # every query keeps a key
+        key_mask = KeyMask(tokens, S, text if Tj else None)
     fleet = {} if fleet is None else fleet  # rank -> its FakeIO
-    fleet.update({x: FakeIO(mesh, x, q, k, v, Tj, fleet) for x in range(W)})
+    fleet.update({x: FakeIO(mesh, x, q, wide(k), wide(v), Tj, fleet) for x in range(W)})
     mine = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731
     for x in range(W):  # pushes land in the peers' Ob, complete once every rank ran
         # the layer's calls run directly (no plan): FakeIO's work is plain torch
-        TorusAttention(None, mesh, fleet[x], x, [], {"launches": launches}).layer(q[:, :, mine(x)], k[:, :, mine(x)],
-                                                          v[:, :, mine(x)], joint, scale)
+        options = {} if launches is None else {"launches": launches}
+        TorusAttention(torus.SPEC, mesh, fleet[x], x, [], options).layer(q[:, :, mine(x)], k[:, :, mine(x)],
+                                                          v[:, :, mine(x)], joint, scale, key_mask)
     errors = []
     for x in range(W):
-        out, want = gather_output(fleet[x].Ob, joint), rank_rows(q, k, v, x, W, (jq, jk, jv), where, scale)
+        out = gather_output(fleet[x].Ob, joint)
+        want = rank_rows(q, k, v, x, W, (jq, jk, jv), where, scale, tokens, text if Tj else None)
         errors.append(max_abs_err(out, want) if out.shape == want.shape else math.inf)
     return errors
 
@@ -395,3 +424,41 @@ def test_numerics_catch_broken_schedules(fp64_kernel, monkeypatch, name):
     monkeypatch.setattr(torus, "torus_schedule", lambda T, t, text: mutate(torus_schedule(T, t, text)))
     errors = torus_errors(3, 2, 2, 2)
     assert not max(errors) <= 1e-10, errors  # NaN (data used before it landed) fails too
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("T,U,R,Tj", [(3, 2, 2, 2), (2, 1, 3, 0)])
+def test_key_masks_reach_every_block_and_the_text(fp64_kernel, launches, T, U, R, Tj):
+    """Each ring peer's block under its own tokens' mask, the text keys under theirs."""
+    errors = torus_errors(T, U, R, Tj, launches=launches, masked=True)
+    assert max(errors) <= 1e-10, errors
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_grouped_query_kv_repeated_to_split_into_the_head_groups(fp64_kernel, launches, kv_heads):
+    """T U = 4 head groups, 8 query heads, 2 or 1 K/V heads (and text K/V): the K/V reach the
+    transport repeated to 4 heads, one per group."""
+    errors = torus_errors(2, 2, 1, 2, launches=launches, kv_heads=kv_heads)
+    assert max(errors) <= 1e-10, errors
+
+
+@pytest.mark.parametrize("launches,calls", [(None, "ring"), ("ring", "ring"), ("stage", "ring_all")])
+def test_the_launches_option_picks_the_schedule(fp64_kernel, launches, calls):
+    """No option on CPU tensors: the ring schedule; ``stage``: the fused launches (each over
+    its ring group's K/V at once)."""
+    fleet: dict[int, FakeIO] = {}
+    assert max(torus_errors(2, 1, 2, 0, launches=launches, fleet=fleet)) <= 1e-10
+    assert {n for io in fleet.values() for n in io.calls} == {calls}
+    mesh = make_mesh(2, 1, 2)
+    assert TorusAttention(torus.SPEC, mesh, fleet[0], 0, [], None).launches is None
+
+
+def test_launches_are_values_and_torus_is_listed_after_tas():
+    a = Launch("w", (0,), (1, TEXT))
+    assert {a, Launch("w", (0,), (1, TEXT))} == {a}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.finalize = True  # type: ignore[misc]
+    from xfuser_swiftfusion.strategies.registry import specs
+    names = [s.name for s in specs()]
+    assert names.index("tas") < names.index("torus") < names.index("swiftfusion") < names.index("auto")
