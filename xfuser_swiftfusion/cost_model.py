@@ -279,5 +279,6 @@ def why_baseline(best: Prediction, cands: list[Prediction], profile: HardwarePro
 
 __all__ = ["BYTES", "CPU_PROFILE_PATH", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
            "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates", "cpu_profile",
-           "cut_options", "get_profile", "host_cpu", "host_topologies", "host_topology", "inter_node_elements", "load_profile", "predict",
-           "programs", "recommend", "recommend_cut", "refused", "ulysses_degrees", "why_baseline"]
+           "cut_options", "get_profile", "host_cpu", "host_topologies", "host_topology",
+           "inter_node_elements", "load_profile", "predict", "programs", "recommend",
+           "recommend_cut", "refused", "ulysses_degrees", "why_baseline"]
