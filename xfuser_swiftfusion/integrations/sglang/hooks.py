@@ -100,10 +100,15 @@ def _in_bcg() -> bool:
     return is_in_breakable_cuda_graph()
 
 
+def _strategy_on(cfg) -> bool:
+    """A strategy is configured and SP is on (more than one SP rank)."""
+    return cfg.strategy is not None and contexts.sp_world_size() >= 2
+
+
 def uspattention_forward(original_fn, *args, **kwargs):
     """AROUND hook: ``original_fn(self, q, k, v, ...)`` is SGLang's ``USPAttention.forward``."""
     cfg = config.current()
-    if cfg.strategy is None or contexts.sp_world_size() < 2:
+    if not _strategy_on(cfg):
         return original_fn(*args, **kwargs)
     if not _in_bcg():
         return _eager(original_fn, cfg, args, kwargs)
@@ -132,8 +137,7 @@ def decline_pre_exchange(original_fn, *args, **kwargs):
     exchange) and the call runs on the strategy instead of arriving already exchanged
     (``qkv_pre_all_to_all``, which only SGLang's path can take)."""
     cfg = config.current()
-    if (cfg.strategy is None or contexts.sp_world_size() < 2
-            or contexts.groups_unsupported() is not None):
+    if not _strategy_on(cfg) or contexts.groups_unsupported() is not None:
         return original_fn(*args, **kwargs)
     return None
 
