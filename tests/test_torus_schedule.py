@@ -1,10 +1,11 @@
 """The Torus schedule (``torus_schedule``) against its invariants, for every rank of a mesh,
 in one process: no forked ranks, no torch.distributed.
 
-(a) every (query, key) pair of every head group is attended exactly once, text included;
+(a) every (query, key) pair of every head group is attended exactly once, text included
+    (with ``kv_pieces`` P: every piece of a key's rows once);
 (b) on every rank each wait precedes the use of its data, the ring barrier of a remote K/V
-    block precedes the ring attention over it, each output is finalized after its last
-    attend and pushed after its finalization;
+    block (piece) precedes the ring attention over it, each output is finalized after its
+    last attend and pushed after its finalization;
 (c) ``TorusAttention`` over an in-process transport equals fp64 softmax attention over the
     whole sequence.
 Each check is also shown to fail on a broken copy of the schedule.
@@ -23,12 +24,19 @@ from xfuser_swiftfusion.kernels import AttnState
 from xfuser_swiftfusion.mesh import Mesh
 from xfuser_swiftfusion.strategies import torus
 from xfuser_swiftfusion.strategies.layout import Joint, KeyMask, Slots, gather_output
-from xfuser_swiftfusion.strategies.torus import TEXT, Launch, Step, TorusAttention, ring_peers, torus_schedule
+from xfuser_swiftfusion.strategies.torus import (TEXT, Launch, Step, TorusAttention, fused_schedule, kv_key,
+                                                 piece_bounds, ring_peers, torus_schedule)
 from xfuser_swiftfusion.topology import Topology
 from support.reference import max_abs_err, rank_rows
 
 MESHES = [(T, U, R) for T in (1, 2, 3, 4) for U in (1, 2) for R in (1, 2)]
+PIECES = (1, 2, 3)
 Schedule = Callable[[int, int, bool], list[Step]]
+
+
+def pieced(P: int) -> Schedule:
+    """``torus_schedule`` with ``kv_pieces`` P."""
+    return lambda T, t, text: torus_schedule(T, t, text, P)
 
 
 def make_mesh(T: int, U: int, R: int) -> Mesh:
@@ -38,10 +46,12 @@ def make_mesh(T: int, U: int, R: int) -> Mesh:
 
 # --- (a) coverage --------------------------------------------------------------------------
 
-def coverage_problems(T: int, U: int, R: int, text: bool, schedule: Schedule = torus_schedule) -> list[str]:
+def coverage_problems(T: int, U: int, R: int, text: bool, schedule: Schedule = torus_schedule,
+                      P: int = 1) -> list[str]:
     """Counts (head group, query, key) over the attend steps of every rank; queries are a GPU's
     tokens (its rank) or ``("text", r)`` (each ring rank computes the text rows it sends),
-    keys a GPU's tokens or ``"text"``. Every pair must count exactly once."""
+    keys piece p of P of a GPU's tokens (``(rank, p)``; a whole block: all P) or ``"text"``.
+    Every pair must count exactly once."""
     mesh, W = make_mesh(T, U, R), T * U * R
     seen: Counter = Counter()
     for x in range(W):
@@ -49,13 +59,14 @@ def coverage_problems(T: int, U: int, R: int, text: bool, schedule: Schedule = t
         for s in schedule(T, t, text):
             if s.kind != "attend":
                 continue
+            parts = range(P) if s.piece is None else [s.piece]
             keys = (["text"] if s.kv == TEXT
-                    else [mesh.rank_of(s.kv, b, r2) for b in range(U) for r2 in range(R)])
+                    else [(mesh.rank_of(s.kv, b, r2), p) for b in range(U) for r2 in range(R) for p in parts])
             for e in s.q:
                 queries = [("text", r)] if e == TEXT else [mesh.rank_of(e, b, r) for b in range(U)]
                 seen.update((t * U + u, qq, kk) for qq in queries for kk in keys)
     queries = [*range(W), *([("text", r) for r in range(R)] if text else [])]
-    keys = [*range(W), *(["text"] if text else [])]
+    keys = [*((x, p) for x in range(W) for p in range(P)), *(["text"] if text else [])]
     expected = {(g, qq, kk) for g in range(T * U) for qq in queries for kk in keys}
     return ([f"head group {g}: query {qq} x key {kk} attended {seen[g, qq, kk]} times"
              for g, qq, kk in sorted(expected, key=str) if seen[g, qq, kk] != 1]
@@ -64,8 +75,9 @@ def coverage_problems(T: int, U: int, R: int, text: bool, schedule: Schedule = t
 
 # --- (b) order -----------------------------------------------------------------------------
 
-def order_problems(steps: list[Step], T: int, t: int, text: bool) -> list[str]:
-    """Ordering invariants of one rank's steps (machine ``t``)."""
+def order_problems(steps: list[Step], T: int, t: int, text: bool, P: int = 1) -> list[str]:
+    """Ordering invariants of one rank's steps (machine ``t``; ``P``: ``kv_pieces``, the last
+    Pull-KV stage's block ``t + 1`` waited for, synchronised and attended piece by piece)."""
     entries = [*range(T), *([TEXT] if text else [])]
     where = lambda pred: [i for i, s in enumerate(steps) if pred(s)]  # noqa: E731
     problems = [f"step {i} has no line tag" for i in where(lambda s: not s.line)]
@@ -84,24 +96,35 @@ def order_problems(steps: list[Step], T: int, t: int, text: bool) -> list[str]:
 
     for a in (a for a in range(T) if a != t):
         k = (t - a) % T
+        parts = list(range(P)) if P > 1 and k == T - 1 else [None]  # the pieces block a comes in
         wq = where(lambda s: s.kind == "wait_q" and s.q == (a,))
-        wkv = where(lambda s: s.kind == "wait_kv" and s.kv == a)
-        bar = where(lambda s: s.kind == "barrier_ring" and s.kv == a)
-        if len(wq) != 1 or len(wkv) != 1 or len(bar) != 1:
-            problems.append(f"machine {a}: {len(wq)} Q waits, {len(wkv)} K/V waits, {len(bar)} ring barriers")
+        wkv = {p: where(lambda s: s.kind == "wait_kv" and s.kv == a and s.piece == p) for p in parts}
+        bar = {p: where(lambda s: s.kind == "barrier_ring" and s.kv == a and s.piece == p) for p in parts}
+        n_kv = len(where(lambda s: s.kind == "wait_kv" and s.kv == a))
+        n_bar = len(where(lambda s: s.kind == "barrier_ring" and s.kv == a))
+        if (len(wq) != 1 or n_kv != len(parts) or n_bar != len(parts)
+                or any(len(wkv[p]) != 1 or len(bar[p]) != 1 for p in parts)):
+            problems.append(f"machine {a}: {len(wq)} Q waits, {n_kv} K/V waits, {n_bar} ring barriers "
+                            f"(pieces {parts})")
             continue
-        if (steps[wq[0]].k, steps[wkv[0]].k) != (k, k):
+        wkv, bar = {p: w[0] for p, w in wkv.items()}, {p: b[0] for p, b in bar.items()}
+        if steps[wq[0]].k != k or any(steps[w].k != k for w in wkv.values()):
             problems.append(f"machine {a} arrives in stage {k}, waited for as stage "
-                            f"{steps[wq[0]].k} (Q) / {steps[wkv[0]].k} (K/V)")
+                            f"{steps[wq[0]].k} (Q) / {[steps[w].k for w in wkv.values()]} (K/V)")
         if any(i < wq[0] for i in where(lambda s: s.kind in ("attend", "finalize") and a in s.q)):
             problems.append(f"Q of machine {a} used before its wait")
-        if bar[0] < wkv[0]:
+        if any(bar[p] < wkv[p] for p in parts):
             problems.append(f"ring barrier for K/V of machine {a} before its wait")
-        kv_uses = where(lambda s: s.kind == "attend" and s.kv == a)
-        if any(i < wkv[0] for i in kv_uses):
-            problems.append(f"K/V of machine {a} attended before its wait")
-        if any(i < bar[0] for i in kv_uses):
-            problems.append(f"K/V of machine {a} attended before its ring barrier")
+        for i in where(lambda s: s.kind == "attend" and s.kv == a):
+            p = steps[i].piece
+            need = parts if p is None else [p]  # a whole block needs every piece of it
+            if p not in parts and p is not None:
+                problems.append(f"K/V of machine {a} attended as piece {p}, not one of {parts}")
+                continue
+            if any(i < wkv[x] for x in need):
+                problems.append(f"K/V of machine {a} attended before its wait")
+            if any(i < bar[x] for x in need):
+                problems.append(f"K/V of machine {a} attended before its ring barrier")
 
     fin = {}
     for e in entries:
@@ -128,17 +151,49 @@ def order_problems(steps: list[Step], T: int, t: int, text: bool) -> list[str]:
     return problems
 
 
+@pytest.mark.parametrize("P", PIECES)
 @pytest.mark.parametrize("text", [False, True])
 @pytest.mark.parametrize("T,U,R", MESHES)
-def test_every_pair_attended_once(T, U, R, text):
-    assert coverage_problems(T, U, R, text) == []
+def test_every_pair_attended_once(T, U, R, text, P):
+    assert coverage_problems(T, U, R, text, pieced(P), P) == []
 
 
+@pytest.mark.parametrize("P", PIECES)
 @pytest.mark.parametrize("text", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
-def test_waits_barriers_finalize_push_order(T, text):
+def test_waits_barriers_finalize_push_order(T, text, P):
     for t in range(T):  # the schedule depends on t only, not on u or r
-        assert order_problems(torus_schedule(T, t, text), T, t, text) == [], (T, t)
+        assert order_problems(torus_schedule(T, t, text, P), T, t, text, P) == [], (T, t)
+
+
+def test_one_piece_is_the_schedule_without_pieces():
+    for T in (1, 2, 3, 4):
+        for t in range(T):
+            steps = torus_schedule(T, t, True, 1)
+            assert all(s.piece is None for s in steps) and steps == torus_schedule(T, t, True)
+    assert torus_schedule(1, 0, True, 3) == torus_schedule(1, 0, True)  # one machine: no Pull-KV
+    with pytest.raises(ValueError, match="kv_pieces"):
+        torus_schedule(2, 0, False, 0)
+
+
+def test_pieces_of_the_last_stage_read_like_the_refinement():
+    """T = 2, machine 0, P = 3: pieces 1-2 of block 1 by every query entry as they arrive, the
+    last piece block by block (the remote block first, pushed at once; mine beside the push)."""
+    steps = [(s.kind, s.q, s.kv, s.piece) for s in torus_schedule(2, 0, True, 3)][7:]
+    assert steps == [("wait_kv", (), 1, 0), ("barrier_ring", (), 1, 0), ("attend", (0, 1, TEXT), 1, 0),
+                     ("wait_kv", (), 1, 1), ("barrier_ring", (), 1, 1), ("attend", (0, 1, TEXT), 1, 1),
+                     ("wait_kv", (), 1, 2), ("barrier_ring", (), 1, 2), ("attend", (1, TEXT), 1, 2),
+                     ("finalize", (TEXT,), None, None), ("finalize", (1,), None, None),
+                     ("push", (1,), None, None), ("attend", (0,), 1, 2), ("finalize", (0,), None, None),
+                     ("push", (0,), None, None)]
+    # fused: one launch per piece; the P - 1 pieces add P - 1 launches to the layer
+    for T, P in ((2, 3), (4, 4)):
+        n = lambda P: sum(isinstance(x, Launch) for x in fused_schedule(T, 0, True, P))  # noqa: E731
+        assert n(P) == n(1) + P - 1, (T, P)
+    launch = [x for x in fused_schedule(2, 0, True, 3) if isinstance(x, Launch)][2]
+    assert (launch.q, launch.kv, launch.pieces, launch.kv_pieces()) == ((0, 1, TEXT), (1,), (0,), [(1, 0)])
+    assert piece_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)] and piece_bounds(4, 1) == [(0, 4)]
+    assert kv_key(2, None) == 2 and kv_key(2, 1) == (2, 1)
 
 
 def test_schedule_reads_like_the_paper():
@@ -200,6 +255,42 @@ def test_checks_catch_broken_schedules(name):
         problems = coverage_problems(T, U, R, True, broken)
     else:
         problems = [p for t in range(T) for p in order_problems(broken(T, t, True), T, t, True)]
+    assert any(expected in p for p in problems), problems
+
+
+def _piece(p, kind="attend"):
+    return lambda s: s.kind == kind and s.piece == p
+
+
+def _renumber(p, to):
+    """The first attend of piece ``p`` attending piece ``to`` instead."""
+    def mutate(steps):
+        i = next(i for i, s in enumerate(steps) if _piece(p)(s))
+        return steps[:i] + [dataclasses.replace(steps[i], piece=to)] + steps[i + 1:]
+    return mutate
+
+
+BROKEN_PIECES = {  # as BROKEN, at kv_pieces = 3
+    "drop a piece's attend": (_edit(_piece(1), "drop"), "coverage", "attended 0 times"),
+    "a piece twice": (_edit(_piece(0), "twice"), "coverage", "attended 2 times"),
+    "the wrong piece": (_renumber(0, 1), "coverage", "attended 2 times"),
+    "a piece's wait late": (_edit(_piece(1, "wait_kv"), "last"), "order", "attended before its wait"),
+    "a piece's wait dropped": (_edit(_piece(2, "wait_kv"), "drop"), "order", "2 K/V waits"),
+    "a piece's barrier late": (_edit(_piece(0, "barrier_ring"), "last"), "order",
+                               "attended before its ring barrier"),
+    "the last piece's wait late": (_edit(_piece(2, "wait_kv"), "last"), "order", "attended before its wait"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_PIECES)
+def test_checks_catch_broken_pieces(name):
+    mutate, check, expected = BROKEN_PIECES[name]
+    T, U, R, P = 3, 2, 2, 3
+    broken = lambda T, t, text: mutate(torus_schedule(T, t, text, P))  # noqa: E731
+    if check == "coverage":
+        problems = coverage_problems(T, U, R, True, broken, P)
+    else:
+        problems = [p for t in range(T) for p in order_problems(broken(T, t, True), T, t, True, P)]
     assert any(expected in p for p in problems), problems
 
 
@@ -280,18 +371,26 @@ class FakeIO:
         starts = [self.mesh.rank_of(a, b, r) * self.S for b in range(self.mesh.ulysses_intra)]
         return torch.stack([x[:, :, i:i + self.S] for i in starts])
 
-    def stage_in(self, q, k, v, text_len):
+    def stage_in(self, q, k, v, text_len, pieces=1):
         assert text_len == self.text_len, (text_len, self.text_len)  # sizes the real slots
+        self.bounds = piece_bounds(self.S, pieces) if pieces > 1 else None
         mine = slice(self.rank * self.S, (self.rank + 1) * self.S)
         assert torch.equal(k, self.glob["K"][:, :, mine]) and torch.equal(v, self.glob["V"][:, :, mine])
         for n in ("Q", "K", "V"):  # steps 1-2: my machine's tokens of my head group
             self.buf[n][self.t] = self.block(n, self.t)
 
     def issue_pulls(self):
+        """Pulls per stage; with pieces, the last stage's K/V block row range by row range."""
         T, t = self.mesh.torus, self.t
-        pull = lambda n, a: _Pull(self.buf[n][a], self.block(n, a))  # noqa: E731
-        return ({k: [pull("Q", (t - k) % T)] for k in range(1, T)},
-                {k: [pull("K", (t - k) % T), pull("V", (t - k) % T)] for k in range(1, T)})
+        pull = lambda n, a, rows=slice(None): _Pull(self.buf[n][a][..., rows, :],  # noqa: E731
+                                                    self.block(n, a)[..., rows, :])
+        kv = {k: [pull("K", (t - k) % T), pull("V", (t - k) % T)] for k in range(1, T)}
+        if self.bounds is not None and T > 1:
+            a = (t + 1) % T
+            del kv[T - 1]
+            kv |= {kv_key(T - 1, p): [pull("K", a, slice(lo, hi)), pull("V", a, slice(lo, hi))]
+                   for p, (lo, hi) in enumerate(self.bounds)}
+        return {k: [pull("Q", (t - k) % T)] for k in range(1, T)}, kv
 
     def q_block(self, a):
         return self.buf["Q"][a]
@@ -299,22 +398,27 @@ class FakeIO:
     def kv_block(self, a):
         return self.buf["K"][a], self.buf["V"][a]
 
-    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
-        self.calls["ring"] += 1
-        for r2 in range(self.mesh.ring):  # ring peer r2's block a (mine as it stands in my buffer)
+    def _blocks(self, a, piece):
+        """Each ring peer's block ``a`` (mine as it stands in my buffer), or its piece's rows."""
+        rows = slice(None) if piece is None else slice(*self.bounds[piece])
+        for r2 in range(self.mesh.ring):
             k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
+            yield r2, k[..., rows, :], v[..., rows, :]
+
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None, piece=None):
+        self.calls["ring"] += 1
+        if piece is not None:
+            self.calls["pieces"] += 1
+        for r2, k, v in self._blocks(a, piece):
             attend64(q_chunks, list(zip(k.unbind(0), v.unbind(0))), states, scale=scale,
                      key_masks=None if masks is None else masks(r2))
 
-    def ring_all(self, a, *, what):
-        """Every ring peer's block ``a`` (mine as it stands in my buffer): (ring rank, its U
-        (K, V) chunks)."""
+    def ring_all(self, a, *, what, piece=None):
+        """Every ring peer's block ``a`` (or its piece): (ring rank, its U (K, V) chunks)."""
         self.calls["ring_all"] += 1
-        out = []
-        for r2 in range(self.mesh.ring):
-            k, v = self.kv_block(a) if r2 == self.r else (self.block("K", a, r2), self.block("V", a, r2))
-            out.append((r2, list(zip(k.unbind(0), v.unbind(0)))))
-        return out
+        if piece is not None:
+            self.calls["pieces"] += 1
+        return [(r2, list(zip(k.unbind(0), v.unbind(0)))) for r2, k, v in self._blocks(a, piece)]
 
     def barrier_ring(self, *, what):
         self.barriers += 1
@@ -331,12 +435,13 @@ class FakeIO:
 
 def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
                  launches: str | None = "ring", fleet: dict | None = None, masked: bool = False,
-                 kv_heads: int | None = None) -> list[float]:
+                 kv_heads: int | None = None, kv_pieces: int = 1) -> list[float]:
     """Run ``TorusAttention`` (``launches``: ``torus_schedule``'s steps or ``fused_schedule``'s
     launches, the GPU default) for every rank (one after the other) and return each rank's max
     error against fp64 softmax attention over the whole sequence [text; image] (``masked``:
     under a random key mask of the image and of the text keys; ``kv_heads``: grouped-query K/V
-    of that many heads, which the transport holds repeated to ``lcm(kv_heads, T U)`` heads)."""
+    of that many heads, which the transport holds repeated to ``lcm(kv_heads, T U)`` heads;
+    ``kv_pieces``: the option)."""
     mesh, W = make_mesh(T, U, R), T * U * R
     B, H, S, D, scale = 2, 2 * T * U, 3, 4, 0.4
     g = torch.Generator().manual_seed(T * 100 + U * 10 + R + Tj)
@@ -356,7 +461,8 @@ def torus_errors(T: int, U: int, R: int, Tj: int, where: str = "front",
     mine = lambda x: slice(x * S, (x + 1) * S)  # noqa: E731
     for x in range(W):  # pushes land in the peers' Ob, complete once every rank ran
         # the layer's calls run directly (no plan): FakeIO's work is plain torch
-        options = {} if launches is None else {"launches": launches}
+        options = ({} if launches is None else {"launches": launches}) | (
+            {"kv_pieces": kv_pieces} if kv_pieces != 1 else {})
         TorusAttention(torus.SPEC, mesh, fleet[x], x, [], options).layer(q[:, :, mine(x)], k[:, :, mine(x)],
                                                           v[:, :, mine(x)], joint, scale, key_mask)
     errors = []
@@ -421,7 +527,8 @@ def test_fused_launches_match_softmax_attention(fp64_kernel, T, U, R, Tj, where)
                                   "Q wait late", "K/V wait late", "finalize early"])
 def test_numerics_catch_broken_schedules(fp64_kernel, monkeypatch, name):
     mutate = BROKEN[name][0]
-    monkeypatch.setattr(torus, "torus_schedule", lambda T, t, text: mutate(torus_schedule(T, t, text)))
+    monkeypatch.setattr(torus, "torus_schedule",
+                        lambda T, t, text, pieces=1: mutate(torus_schedule(T, t, text, pieces)))
     errors = torus_errors(3, 2, 2, 2)
     assert not max(errors) <= 1e-10, errors  # NaN (data used before it landed) fails too
 
@@ -462,3 +569,39 @@ def test_launches_are_values_and_torus_is_listed_after_tas():
     from xfuser_swiftfusion.strategies.registry import specs
     names = [s.name for s in specs()]
     assert names.index("tas") < names.index("torus") < names.index("swiftfusion") < names.index("auto")
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("T,U,R,Tj,masked,kv_heads", [(2, 2, 1, 2, True, 2), (3, 1, 2, 3, True, None),
+                                                      (2, 1, 2, 0, False, 1), (3, 2, 1, 0, True, 3)])
+def test_kv_pieces_match_softmax_attention(fp64_kernel, launches, P, T, U, R, Tj, masked, kv_heads):
+    """The last Pull-KV stage in P pieces (S = 3 rows: P = 2 pieces of 2 and 1 rows): text, key
+    masks (each piece under its columns), GQA, both launch modes; the pieces reach the
+    transport (P ring calls or gathers per rank)."""
+    fleet: dict[int, FakeIO] = {}
+    errors = torus_errors(T, U, R, Tj, launches=launches, masked=masked, kv_heads=kv_heads,
+                          kv_pieces=P, fleet=fleet)
+    assert max(errors) <= 1e-10, errors
+    # pieces 1..P-1 once each, the last piece by each of the T query blocks of the tail
+    assert {io.calls["pieces"] for io in fleet.values()} == {P - 1 + T}
+
+
+@pytest.mark.parametrize("name", ["a piece's wait late", "the last piece's wait late", "the wrong piece",
+                                  "drop a piece's attend"])
+def test_numerics_catch_broken_pieces(fp64_kernel, monkeypatch, name):
+    mutate = BROKEN_PIECES[name][0]
+    monkeypatch.setattr(torus, "torus_schedule",
+                        lambda T, t, text, pieces=1: mutate(torus_schedule(T, t, text, pieces)))
+    errors = torus_errors(3, 2, 2, 2, kv_pieces=3)
+    assert not max(errors) <= 1e-10, errors
+
+
+def test_kv_pieces_option_is_checked():
+    assert torus.kv_pieces_option({}) == 1 and torus.kv_pieces_option({"kv_pieces": 4}) == 4
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match="kv_pieces"):
+            torus.kv_pieces_option({"kv_pieces": bad})
+    with pytest.raises(ValueError, match="kv_pieces > 1 with fp8_comms is not supported"):
+        torus.kv_pieces_option({"kv_pieces": 2, "fp8_comms": True})
+    assert torus.kv_pieces_option({"kv_pieces": 1, "fp8_comms": True}) == 1

@@ -58,7 +58,7 @@ from .layout import Slots, split_heads
 from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
 from .ring import PullRing, ring_ops, slots
-from .torus import TorusAttention, TorusOps, ring_peers, torus_ops
+from .torus import TorusAttention, TorusOps, kv_pieces_option, ring_peers, torus_ops
 
 logger = get_logger(__name__)
 
@@ -73,7 +73,8 @@ def machine_order(u: int, U: int) -> list[int]:
 
 
 class OneSidedTorusIO:
-    """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU)."""
+    """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU); whole
+    K/V blocks only (``build_swiftfusion`` refuses option ``kv_pieces`` > 1)."""
 
     def __init__(self, groups: SPGroups, comm: OneSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh = mesh = groups.mesh
@@ -334,6 +335,9 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
                  f"{uneven[0]} (global ranks) is not (islands whose ranks interleave unevenly); "
                  "running 'torus' (two-sided) instead")
         return get("torus").build(a)
+    if kv_pieces_option(a.options) > 1:
+        raise ValueError("swiftfusion: kv_pieces > 1 is not supported by the one-sided transport "
+                         "(OneSidedTorusIO); use strategy 'torus' with kv_pieces, or kv_pieces=1")
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
     io = OneSidedTorusIO(a.groups, one, a.rank, fp8.enabled(a.options))

@@ -18,7 +18,13 @@ with the same work and bytes:
   to overlap the pushes. On a link-bound layer compute idles while a stage's data arrives,
   and the work left after the last arrival shrinks from 2(T-1) query blocks to T;
 - the last Pull-KV stage runs one remote query block at a time, so each remote output is
-  pushed as soon as it is final instead of all after the stage.
+  pushed as soon as it is final instead of all after the stage;
+- (option ``kv_pieces`` P, default 1: none of this) the last Pull-KV stage's K/V block moves
+  in P pieces along the sequence (``piece_bounds``), each its own transfer; pieces 0..P-2
+  are attended by every query entry as each arrives, the last one block by block as above.
+  The work left after the last byte of K/V shrinks from C/T^2 to C/(T^2 P) of the layer's
+  compute C, for P - 1 more transfers per peer (and, with ``launches="stage"``, P - 1 more
+  launches per layer: 10 + P - 1 at T = 4 with text).
 Text (joint) tokens are one more query entry and one more K/V entry (``TEXT``): the text
 queries ride with the local queries, the text K/V (replicated, so attended locally, without a
 ring) is attended once by every query entry, in its Pull-Q stage.
@@ -60,6 +66,7 @@ from .. import plan
 from ..comm.base import Handle, TwoSided
 from ..groups import SPGroups
 from ..kernels import AttnState, attend, new_states
+from ..log import get_logger, log_once
 from ..mesh import Mesh
 from . import fp8
 from .layout import Joint, KeyMask, Slots, gather_output, grouped_kv, split_heads
@@ -67,6 +74,8 @@ from .ops import Attend, Copy, Op, Program, Shape
 from .planned import PlanCache
 from .registry import NATIVE, StrategySpec, register
 from .ring import PassRing, ring_ops
+
+logger = get_logger(__name__)
 
 TEXT = "text"
 """The text entry: queries ``[B, h, Tj, D]`` and K/V ``[B, h, Tj, D]`` of my head group."""
@@ -92,7 +101,9 @@ class Step:
       ``a``: image rows of slots ``[a, :]``; ``TEXT``: text rows of every slot);
     - ``push``: ``O[q[0], :]`` leaves for its owners (transport stage ``k = (t - q[0]) % T``).
     ``what`` names the stage (the transport's ``what=``), ``line`` the Algorithm 1 line(s)
-    and DESIGN.md step.
+    and DESIGN.md step. ``piece``: for ``wait_kv``, ``barrier_ring`` and ``attend`` of the
+    last Pull-KV stage's block with ``kv_pieces`` P > 1, piece ``piece`` of P of its S rows
+    (``piece_bounds``); None: the whole block.
     """
 
     kind: Kind
@@ -101,19 +112,47 @@ class Step:
     kv: Entry | None = None
     k: int = 0
     line: str = ""
+    piece: int | None = None
 
 
-def torus_schedule(T: int, t: int, text: bool) -> list[Step]:
+def piece_bounds(S: int, P: int) -> list[tuple[int, int]]:
+    """Rows ``[lo, hi)`` of each of the ``P`` pieces of ``S`` rows (``P <= S``): the first
+    ``S % P`` pieces one row longer, as ``torch.tensor_split``."""
+    n, extra = divmod(S, P)
+    bounds, lo = [], 0
+    for p in range(P):
+        hi = lo + n + (p < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def kv_key(k: int, piece: int | None) -> int | tuple[int, int]:
+    """Key of a K/V arrival in ``issue_pulls``' second dict: stage ``k`` (the whole block), or
+    ``(k, piece)`` (piece ``piece`` of the last stage's block)."""
+    return k if piece is None else (k, piece)
+
+
+def torus_schedule(T: int, t: int, text: bool, pieces: int = 1) -> list[Step]:
     """Steps 3-7 of the GPUs on machine ``t`` of ``T`` (the same for every u and r).
 
+    ``pieces`` (``kv_pieces`` P): the last Pull-KV stage's block arrives in P pieces along
+    the sequence; pieces 0..P-2 are attended by every query entry as each arrives, the last
+    piece block by block as the whole block is without pieces (P = 1: exactly that).
+
     Invariants (tests/test_torus_schedule.py): every (query entry, K/V entry) pair is
-    attended exactly once; each wait precedes every use of its block, the ring barrier of a
-    remote K/V block every ring attention over it; each output is finalized once, after its
-    last attend, and pushed after its finalization (the text output before the first push).
+    attended exactly once (once per piece); each wait precedes every use of its block (its
+    piece), the ring barrier of a remote K/V block (piece) every ring attention over it; each
+    output is finalized once, after its last attend, and pushed after its finalization (the
+    text output before the first push).
     """
+    if pieces < 1:
+        raise ValueError(f"kv_pieces must be >= 1, got {pieces}")
     X = (TEXT,) if text else ()  # the text query entry, where there is one
     others = tuple(a for a in range(T) if a != t)
     last = (t + 1) % T  # K/V block of the last Pull-KV stage, k = T - 1
+    P = pieces if T > 1 else 1
+    tail = None if P == 1 else P - 1  # the piece the block-by-block tail attends
     # every pull in flight before anything else is launched, the running states included
     s = [Step("issue", "issue pulls", line="Alg.1 l.18-21; step 3"),
          Step("init", "running states", (*range(T), *X), line="Alg.1 l.12-14")]
@@ -128,22 +167,27 @@ def torus_schedule(T: int, t: int, text: bool) -> list[Step]:
             s.append(Step("attend", what, q, TEXT, line="step 4-5: text K/V, once per query entry"))
         s.append(Step("attend", what, q, t, line="Alg.1 l.26; step 5" if k else "Alg.1 l.22; step 4"))
     # Pull-KV stages 1..T-1: every query against K/V of machine t - k as it arrives, my own
-    # queries included (their share of l.34, refinement 1); stage T-1 follows block by block.
+    # queries included (their share of l.34, refinement 1); stage T-1 in P pieces, each but
+    # the last attended by every query as it arrives (refinement 3), the last block by block.
     for k in range(1, T):
         a, what = (t - k) % T, f"Pull-KV stage {k}"
-        s += [Step("wait_kv", what, kv=a, k=k, line="Alg.1 l.29; step 6"),
-              Step("barrier_ring", what, kv=a, line="Alg.1 l.29; step 6")]
-        if k < T - 1:
-            s.append(Step("attend", what, (t, *others, *X), a, line="Alg.1 l.30 + l.34; step 6"))
-    # Stage T-1 one query block at a time, each output pushed once final (refinement 2); the
-    # last, k = T, is my machine's block, attended while the others travel (Push-O).
+        for p in (range(P) if k == T - 1 and P > 1 else (None,)):
+            w = what if p is None else f"{what}, piece {p + 1}/{P}"
+            s += [Step("wait_kv", w, kv=a, k=k, line="Alg.1 l.29; step 6", piece=p),
+                  Step("barrier_ring", w, kv=a, line="Alg.1 l.29; step 6", piece=p)]
+            if k < T - 1 or (p is not None and p < P - 1):
+                s.append(Step("attend", w, (t, *others, *X), a, line="Alg.1 l.30 + l.34; step 6",
+                              piece=p))
+    # Stage T-1 (its last piece) one query block at a time, each output pushed once final
+    # (refinement 2); the last, k = T, is my machine's block, attended while the others
+    # travel (Push-O).
     for k in range(1, T + 1):
         a, mine = (t - k) % T, k == T
         q = (a, *X) if k == 1 else (a,)  # the text queries finish with the first block
         what = "Push-O" if mine else f"Pull-KV stage {T - 1}, queries of machine {a}"
         if T > 1:  # one machine: its queries met its only K/V block in Pull-Q stage 1
             s.append(Step("attend", what, q, last,
-                          line="Alg.1 l.34; step 7" if mine else "Alg.1 l.30; step 6"))
+                          line="Alg.1 l.34; step 7" if mine else "Alg.1 l.30; step 6", piece=tail))
         # text first: its rows ride in every slot, so they are final before the first push
         s += [Step("finalize", what, (e,), line="step 6-7: O = acc / l") for e in (*q[1:], a)]
         s.append(Step("push", "Push-O", (a,), k=k % T,
@@ -156,7 +200,8 @@ class Launch:
     """One ``attend`` of the fused schedule: query entries ``q`` against every K/V chunk of the
     entries ``kv`` (a machine's block: the chunks of every rank of my ring group; ``TEXT``),
     finalizing every entry of ``q`` when ``finalize`` (``kv`` may then be empty);
-    ``finalized``: the schedule's finalize steps it took over."""
+    ``finalized``: the schedule's finalize steps it took over; ``pieces``: empty (every
+    entry whole) or, per entry of ``kv``, its piece (``Step.piece``)."""
 
     what: str
     q: tuple[Entry, ...]
@@ -164,21 +209,29 @@ class Launch:
     finalize: bool = False
     finalized: tuple[Entry, ...] = ()
     kind: str = "launch"
+    pieces: tuple[int | None, ...] = ()
+
+    def kv_pieces(self) -> list[tuple[Entry, int | None]]:
+        """``(entry, piece)`` of each K/V entry (piece None: the whole entry)."""
+        return list(zip(self.kv, self.pieces or (None,) * len(self.kv)))
 
 
-def fused_schedule(T: int, t: int, text: bool) -> list[Step | Launch]:
-    """``torus_schedule(T, t, text)`` with its attends and finalizations merged into launches:
-    consecutive attends of the same query entries become one launch over all their K/V, and
-    the finalizations right after an entry's last attend join that launch (they must cover all
-    of its query entries). Waits, barriers, pushes and the issue stay steps, in order."""
+def fused_schedule(T: int, t: int, text: bool, pieces: int = 1) -> list[Step | Launch]:
+    """``torus_schedule(T, t, text, pieces)`` with its attends and finalizations merged into
+    launches: consecutive attends of the same query entries become one launch over all their
+    K/V (pieces are K/V entries of their own), and the finalizations right after an entry's
+    last attend join that launch (they must cover all of its query entries). Waits,
+    barriers, pushes and the issue stay steps, in order."""
     out: list[Step | Launch] = []
-    for s in torus_schedule(T, t, text):
+    for s in torus_schedule(T, t, text, pieces):
         last = out[-1] if out else None
         if s.kind == "attend":
             if isinstance(last, Launch) and last.q == s.q and not last.finalize:
-                out[-1] = replace(last, kv=(*last.kv, s.kv))
+                kvp = [*last.kv_pieces(), (s.kv, s.piece)]
+                out[-1] = replace(last, kv=tuple(e for e, _ in kvp),
+                                  pieces=tuple(p for _, p in kvp) if any(p is not None for _, p in kvp) else ())
             else:
-                out.append(Launch(s.what, s.q, (s.kv,)))
+                out.append(Launch(s.what, s.q, (s.kv,), pieces=() if s.piece is None else (s.piece,)))
         elif s.kind == "finalize":
             if isinstance(last, Launch) and s.q[0] in last.q:
                 out[-1] = replace(last, finalize=True, finalized=(*last.finalized, *s.q))
@@ -193,10 +246,10 @@ def fused_schedule(T: int, t: int, text: bool) -> list[Step | Launch]:
     return out
 
 
-def schedule_of(launches: str, T: int, t: int, text: bool) -> list[Step | Launch]:
+def schedule_of(launches: str, T: int, t: int, text: bool, pieces: int = 1) -> list[Step | Launch]:
     """The steps machine ``t`` runs with ``launches``: ``fused_schedule`` (``"stage"``) or
-    ``torus_schedule`` (``"ring"``)."""
-    return (fused_schedule if launches == "stage" else torus_schedule)(T, t, text)
+    ``torus_schedule`` (``"ring"``), the last Pull-KV stage in ``pieces`` pieces."""
+    return (fused_schedule if launches == "stage" else torus_schedule)(T, t, text, pieces)
 
 
 def ring_peers(ranks: tuple[int, ...], r: int) -> list[tuple[int, int]]:
@@ -213,10 +266,12 @@ class TorusIO(Protocol):
         """Steps 1-2 (``q`` [B, H, S, D], ``k, v`` [B, H_kv, S, D], T*U dividing H_kv):
         intra-machine Ulysses; afterwards ``q_block(t)``/``kv_block(t)`` hold my
         machine's tokens of my head group; ``O``, ``Ob`` are ``[T, U]`` slots of S image rows
-        and ``text_len`` text rows."""
+        and ``text_len`` text rows. A transport with K/V pieces takes ``pieces=P`` (P > 1):
+        the last Pull-KV stage's block then moves in P pieces (``piece_bounds``)."""
 
-    def issue_pulls(self) -> tuple[dict[int, list[Handle]], dict[int, list[Handle]]]:
-        """Step 3: every inter-machine Q, then K/V transfer; handles per stage k = 1..T-1."""
+    def issue_pulls(self) -> tuple[dict[int, list[Handle]], dict]:
+        """Step 3: every inter-machine Q, then K/V transfer; handles per stage k = 1..T-1
+        (K/V with pieces: per ``kv_key(T - 1, p)`` for the last stage)."""
 
     def q_block(self, a: int) -> torch.Tensor:
         """``[U, B, h, S, D]``: queries of machine ``a``'s tokens, my head group (may be
@@ -225,11 +280,13 @@ class TorusIO(Protocol):
     def ring(self, q_chunks: list[torch.Tensor], states: list[AttnState], a: int, *,
              scale: float, what: str, masks=None) -> None:
         """Ring attention of ``q_chunks`` against K/V block ``a`` over my ring group
-        (``masks``: ring rank -> key masks of its block's U slots, as ``ring._Ring``)."""
+        (``masks``: ring rank -> key masks of its block's U slots, as ``ring._Ring``); with
+        pieces, ``piece=p``: against piece p of the block (``masks``: of its columns)."""
     def ring_all(self, a: int, *, what: str) -> list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """K/V block ``a`` of every rank of my ring group: ``(ring rank, its U (K, V) chunks
         [B, h_kv, S, D])`` in ring-rank order, gathered here at the first call of a layer
-        (and only then: the gather is part of that layer's calls)."""
+        (and only then: the gather is part of that layer's calls); with pieces, ``piece=p``:
+        piece p of the block (chunks ``[B, h_kv, S_p, D]``)."""
     def barrier_ring(self, *, what: str) -> None: ...
     def push_o(self, k: int) -> None:
         """Send ``O[(t-k)%T, :]`` to its owners (k = 0: my machine); receive my outputs."""
@@ -251,6 +308,21 @@ def launches_option(options: dict) -> str | None:
     return value
 
 
+KV_PIECES_OPTION = "kv_pieces"
+
+
+def kv_pieces_option(options: dict) -> int:
+    """Option ``kv_pieces`` (an int >= 1, default 1; module docstring): the pieces of the last
+    Pull-KV stage's K/V block. ``ValueError`` for anything else, and for more than one piece
+    with ``fp8_comms`` (the FP8 wire slots are whole blocks)."""
+    value = options.get(KV_PIECES_OPTION, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"option {KV_PIECES_OPTION!r} must be an int >= 1, got {value!r}")
+    if value > 1 and fp8.enabled(options):
+        raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+    return value
+
+
 class TorusAttention:
     """Callable ``(q, k, v, joint) -> out`` under the USP contract, running the Torus schedule
     as execution plans (``planned.py``: one per input signature)."""
@@ -261,6 +333,7 @@ class TorusAttention:
         self.t, self.u, self.r = mesh.coords(rank)
         options = options or {}
         self.launches = launches_option(options)  # None: by device
+        self.kv_pieces = kv_pieces_option(options)
         self.plans = PlanCache.for_strategy(self, options)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -275,15 +348,28 @@ class TorusAttention:
         if k.shape[1] != q.shape[1]:  # K/V heads that split into the T*U head groups
             k, v, joint = grouped_kv(k, v, joint, q.shape[1], T * U, self.spec.name)
         launches = self.launches or ("stage" if q.is_cuda else "ring")
-        self.io.stage_in(q, k, v, joint.length if joint is not None else 0)  # steps 1-2
-        self._stages(joint, scale, key_mask, launches)
+        P = self.pieces(q.shape[2]) if T > 1 else 1
+        pieces = {"pieces": P} if P > 1 else {}
+        self.io.stage_in(q, k, v, joint.length if joint is not None else 0, **pieces)  # steps 1-2
+        self._stages(joint, scale, key_mask, launches, P, q.shape[2])
         Ob = self.io.stage_out()
         return plan.output(lambda: gather_output(Ob, joint))  # [T, U] slots -> [B, H, S + Tj, D]
 
+    def pieces(self, S: int) -> int:
+        """The pieces of the last Pull-KV stage's block of ``S`` rows: ``kv_pieces``, at most
+        ``S`` (one row each; logged once)."""
+        if self.kv_pieces > S:
+            log_once(logger, f"kv-pieces-{self.spec.name}-{self.kv_pieces}-{S}",
+                     f"{self.spec.name}: kv_pieces={self.kv_pieces} exceeds the {S} tokens per GPU; "
+                     f"the last Pull-KV stage moves in {S} pieces of one row")
+            return S
+        return self.kv_pieces
+
     def _stages(self, joint: Joint | None, scale: float, key_mask: KeyMask | None,
-                launches: str) -> None:
+                launches: str, P: int = 1, S: int = 0) -> None:
         """Steps 3-7: run ``torus_schedule`` (``launches="ring"``) or ``fused_schedule``
-        (``"stage"``) against the transport.
+        (``"stage"``) against the transport, the last Pull-KV stage in ``P`` pieces of the
+        ``S`` rows (``piece_bounds``).
 
         Query entry ``a`` is the U chunks ``[B, h, S, D]`` of ``io.q_block(a)``, ``TEXT`` the
         text queries ``[B, h, Tj, D]`` of my head group; one running state per chunk.
@@ -299,9 +385,14 @@ class TorusAttention:
             rank_of = self.mesh.rank_of
             masks = {a: (lambda r, a=a: [key_mask.chunk(rank_of(a, b, r)) for b in range(U)])
                      for a in range(T)}
+            bounds = piece_bounds(S, P) if P > 1 else []
+            # (a, p) -> ring rank -> the key masks of piece p of its U slots: their columns
+            masks |= {(a, p): (lambda r, a=a, lo=lo, hi=hi: [None if m is None else m[:, lo:hi]
+                                                              for m in masks[a](r)])
+                      for a in range(T) for p, (lo, hi) in enumerate(bounds)}
         chunks: dict[Entry, list[torch.Tensor]] = {}
         states: dict[Entry, list[AttnState]] = {}
-        for s in schedule_of(launches, T, self.t, joint is not None):
+        for s in schedule_of(launches, T, self.t, joint is not None, P):
             match s.kind:
                 case "issue":
                     EQ, EKV = io.issue_pulls()
@@ -314,7 +405,7 @@ class TorusAttention:
                 case "wait_q":
                     _wait(EQ[s.k])
                 case "wait_kv":
-                    _wait(EKV[s.k])
+                    _wait(EKV[kv_key(s.k, s.piece)])
                 case "barrier_ring":
                     io.barrier_ring(what=s.what)
                 case "attend":
@@ -324,7 +415,10 @@ class TorusAttention:
                         attend(qs, jkv, sts, scale=scale,
                                **({} if text_mask is None else {"key_masks": [text_mask]}))
                     else:
-                        ring_kw = {"masks": masks[s.kv]} if s.kv in masks else {}
+                        mk = s.kv if s.piece is None else (s.kv, s.piece)
+                        ring_kw = {"masks": masks[mk]} if mk in masks else {}
+                        if s.piece is not None:
+                            ring_kw["piece"] = s.piece
                         io.ring(qs, sts, s.kv, scale=scale, what=s.what, **ring_kw)
                 case "finalize":
                     (e,) = s.q
@@ -347,14 +441,15 @@ class TorusAttention:
         is read before its output is written)."""
         io = self.io
         kv, kmasks = [], []
-        for e in s.kv:
+        for e, p in s.kv_pieces():
             if e == TEXT:
                 kv += jkv
                 kmasks.append(text_mask)
             else:
-                for r2, block in io.ring_all(e, what=s.what):
+                mk = e if p is None else (e, p)
+                for r2, block in io.ring_all(e, what=s.what, **({} if p is None else {"piece": p})):
                     kv += block
-                    kmasks += masks[e](r2) if e in masks else [None] * len(block)
+                    kmasks += masks[mk](r2) if mk in masks else [None] * len(block)
         out = None
         if s.finalize:  # machine a's outputs into O.rows[a]; the text's into a new tensor
             out = []
@@ -390,6 +485,12 @@ class TwoSidedTorusIO:
     receive from the other machine progress together. Ring attention uses the ``"ring"`` queue.
     ``fp8_comms``: stages k >= 1 move ``fp8.py`` wire slots (``W``: per tensor ``[T, U, bytes]``
     send (``"s"``) and receive (``"r"``) buffers, slot ``[a, b]`` as the tensor's).
+    K/V pieces (``stage_in(..., pieces=P)``, P > 1, T > 1, not with ``fp8_comms``): the last
+    stage's K and V move as P exchanges, piece p's K and V in one (K's U messages, then V's,
+    to each peer in that order). Pieces along S of ``[B, h_kv, S, D]`` are not contiguous, so
+    they travel in piece-major buffers, lists of P tensors ``[U, B, h_kv, S_p, D]``: ``PK``,
+    ``PV`` received (attended where they land; ``K``/``V[t+1]`` stay unused), ``src["PK"]``,
+    ``src["PV"]`` sent (copied from my slots ``[t-1]`` in ``stage_in``).
     """
 
     def __init__(self, groups: SPGroups, comm: TwoSided, rank: int, fp8_comms: bool = False) -> None:
@@ -404,11 +505,15 @@ class TwoSidedTorusIO:
     def _peer(self, a: int, b: int) -> int:
         return self.mesh.rank_of(a, b, self.r)
 
-    def stage_in(self, q, k, v, text_len):
+    def stage_in(self, q, k, v, text_len, pieces: int = 1):
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
         h, h_kv = H // (T * U), k.shape[1] // (T * U)
-        key = (tuple(q.shape), k.shape[1], q.dtype, q.device, text_len)
+        self.pieces = pieces if T > 1 else 1
+        if self.pieces > 1 and self.fp8:
+            raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+        self.bounds = piece_bounds(S, self.pieces)
+        key = (tuple(q.shape), k.shape[1], q.dtype, q.device, text_len, self.pieces)
         if key not in self._buffers:
             O, Ob = (Slots.alloc(q.new_empty, (T, U), B, h, S, text_len, D) for _ in range(2))
             self._buffers = {key: {"Q": O.rows,  # the received Q block of machine a lives in O.rows[a]
@@ -425,6 +530,11 @@ class TwoSidedTorusIO:
                      "O": Slots.numel(B, h, S, text_len, D)}
                 self._buffers[key]["W"] = {(n, d): fp8.wire_empty(empty, (T, U), m[n])
                                            for n in m for d in "sr"}
+            if self.pieces > 1:  # piece-major K/V of the last stage, sent and received
+                bk = self._buffers[key]
+                for n in ("PK", "PV"):
+                    for d in (bk, bk["src"]):
+                        d[n] = [q.new_empty(U, B, h_kv, hi - lo, D) for lo, hi in self.bounds]
         self.buf = self._buffers[key]
         self.O, self.Ob = self.buf["O"], self.buf["Ob"]
         self._gathered: dict[int, list] = {}
@@ -433,6 +543,12 @@ class TwoSidedTorusIO:
         for n, x in (("Q", q), ("K", k), ("V", v)):
             dst, src = self.src[n], split_heads(x, T, U)
             plan.call(lambda dst=dst, src=src: dst.copy_(src))
+        if self.pieces > 1:  # my slots [t-1] (for machine t-1, the last stage) in pieces
+            tn = (self.t - 1) % T
+            for n in ("K", "V"):
+                for dst, (lo, hi) in zip(self.src["P" + n], self.bounds):
+                    src = self.src[n][tn, :, :, :, lo:hi]
+                    plan.call(lambda dst=dst, src=src: dst.copy_(src))
         if self.fp8:  # the slots for the other machines, as wire slots
             for n, x in self.src.items():
                 for a in range(T):
@@ -457,25 +573,49 @@ class TwoSidedTorusIO:
                                    [(self.buf[n][tp, b], self._peer(tp, b)) for b in range(U)],
                                    what=f"{what} {n}", queue="other") for n in names]
 
+    def _exchange_piece(self, p: int, what: str) -> Handle:
+        """Piece ``p`` of the last stage (kk = T - 1): my ``src["PK"/"PV"][p]`` to GPUs
+        (t-1, b, r), theirs into ``PK``/``PV[p]``; K's messages, then V's."""
+        T, U, t = self.mesh.torus, self.mesh.ulysses_intra, self.t
+        tn, tp = (t - 1) % T, (t + 1) % T
+        return self.comm.exchange(
+            [(self.src[n][p][b], self._peer(tn, b)) for n in ("PK", "PV") for b in range(U)],
+            [(self.buf[n][p][b], self._peer(tp, b)) for n in ("PK", "PV") for b in range(U)],
+            what=f"{what} K, V", queue="other")
+
     def issue_pulls(self):
-        T = self.mesh.torus
+        T, P = self.mesh.torus, self.pieces
         EQ = {kk: self._exchange(kk, ("Q",), f"Pull-Q stage {kk + 1}") for kk in range(1, T)}
-        EKV = {kk: self._exchange(kk, ("K", "V"), f"Pull-KV stage {kk}") for kk in range(1, T)}
+        EKV: dict = {}
+        for kk in range(1, T):
+            if kk == T - 1 and P > 1:
+                for p in range(P):
+                    EKV[kv_key(kk, p)] = [self._exchange_piece(p, f"Pull-KV stage {kk}, piece {p + 1}/{P}")]
+            else:
+                EKV[kk] = self._exchange(kk, ("K", "V"), f"Pull-KV stage {kk}")
         return EQ, EKV
 
     def q_block(self, a):
         return self.buf["Q"][a]
 
-    def kv_block(self, a):
+    def kv_block(self, a, piece: int | None = None):
+        """``(K, V)`` ``[U, B, h_kv, S, D]`` of block ``a``; ``piece``: piece ``piece`` of the
+        last stage's block, ``[U, B, h_kv, S_p, D]``."""
+        if piece is not None:
+            return self.buf["PK"][piece], self.buf["PV"][piece]
+        if self.pieces > 1 and a == (self.t + 1) % self.mesh.torus:
+            raise AssertionError(f"block {a} arrives in {self.pieces} pieces: ask for a piece")
         return self.buf["K"][a], self.buf["V"][a]
 
-    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
-        self._ring(q_chunks, states, *self.kv_block(a), scale=scale, what=what, masks=masks)
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None, piece=None):
+        self._ring(q_chunks, states, *self.kv_block(a, piece), scale=scale, what=what, masks=masks)
 
-    def ring_all(self, a, *, what):
+    def ring_all(self, a, *, what, piece=None):
         """One grouped exchange on the ``"ring"`` queue: my block ``a`` to every ring peer,
         theirs into ``G`` (``[T, R-1, U, B, h_kv, S, D]`` per tensor, slot ``i - 1`` = ring
-        rank ``r + i``)."""
+        rank ``r + i``); a piece: into ``GP[piece]`` (``[R-1, U, B, h_kv, S_p, D]``)."""
+        if piece is not None:
+            return self._ring_all_piece(piece, what=what)
         if a not in self._gathered:
             R, r = len(self.ring_ranks), self.r
             k, v = self.kv_block(a)  # [U, B, h_kv, S, D]
@@ -496,6 +636,29 @@ class TwoSidedTorusIO:
             self._gathered[a] = [(r2, list(zip(blocks[r2][0].unbind(0), blocks[r2][1].unbind(0))))
                                  for r2 in range(R)]
         return self._gathered[a]
+
+    def _ring_all_piece(self, p: int, *, what: str):
+        key = ("piece", p)
+        if key not in self._gathered:
+            R, r = len(self.ring_ranks), self.r
+            k, v = self.kv_block(None, p)  # [U, B, h_kv, S_p, D]
+            blocks = {r: (k, v)}
+            if R > 1:
+                GP = self.buf.setdefault("GP", {})
+                if p not in GP:
+                    GP[p] = {n: torch.empty((R - 1, *k.shape), dtype=k.dtype, device=k.device)
+                             for n in "KV"}
+                sends, recvs = [], []
+                for i, (r2, peer) in enumerate(ring_peers(self.ring_ranks, r)):
+                    gk, gv = GP[p]["K"][i], GP[p]["V"][i]
+                    sends += [(k, peer), (v, peer)]
+                    recvs += [(gk, peer), (gv, peer)]
+                    blocks[r2] = (gk, gv)
+                self.comm.exchange(sends, recvs, what=f"{what}, ring all-gather of piece {p + 1}",
+                                   queue="ring").wait()
+            self._gathered[key] = [(r2, list(zip(blocks[r2][0].unbind(0), blocks[r2][1].unbind(0))))
+                                   for r2 in range(R)]
+        return self._gathered[key]
 
     def barrier_ring(self, *, what):
         """Two-sided rings synchronise through their own sends and receives."""
