@@ -795,6 +795,7 @@ def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
 
 
 def build_torus(a) -> TorusAttention:
+    kv_pieces_option(a.options)  # checked before any communicator is made
     two = a.two_sided()
     io = TwoSidedTorusIO(a.groups, two, a.rank, fp8.enabled(a.options))
     return TorusAttention(SPEC, a.mesh, io, a.rank, [two], a.options)
