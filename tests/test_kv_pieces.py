@@ -56,3 +56,40 @@ def test_torus_kv_pieces_on_emulated_ranks():
         for launches, call, err in rows:
             assert err <= 1e-5, f"rank {rank} launches={launches} call {call}: err {err:.2e}"
         assert msg is not None and "kv_pieces > 1 with fp8_comms is not supported" in msg, msg
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+@pytest.mark.parametrize("T,U,R", [(2, 2, 1), (3, 1, 2)])
+def test_cost_model_ops_follow_the_pieces(launches, T, U, R):
+    """torus's ops with kv_pieces P: the last Pull-KV stage's K/V as P exchanges with the
+    machine it comes from (K and V of S_p rows to each of its U GPUs), the same inter-machine bytes in all,
+    and attends over the pieces' rows; kv_pieces = 1 is the program without the option."""
+    from xfuser_swiftfusion.cost_model import Workload, programs
+    from xfuser_swiftfusion.mesh import Mesh
+    from xfuser_swiftfusion.strategies import get
+    from xfuser_swiftfusion.strategies.ops import Attend, Transfer
+    from xfuser_swiftfusion.topology import Topology
+    mesh = Mesh(Topology(T, U * R), T * U, R, "tas")
+    W, S, H, D, itemsize = T * U * R, 7, 2 * T * U, 8, 4
+    w = Workload(1, W * S, H, D, "fp32")
+    spec = get("torus")
+    base = programs(spec, mesh, w, launches)
+    assert programs(spec, mesh, w, launches, {"kv_pieces": 1}) == base
+    h = H // (T * U)
+    for P, rows in ((3, [3, 2, 2]), (7, [1] * 7), (9, [1] * 7)):  # at most S pieces
+        for x, ops in enumerate(programs(spec, mesh, w, launches, {"kv_pieces": P})):
+            t = mesh.coords(x)[0]
+            frm = {mesh.rank_of((t + 1) % T, b, mesh.coords(x)[2]) for b in range(U)}
+            other = [op for op in ops if isinstance(op, Transfer) and op.queue == "other"]
+            pieces = [op for op in other if {p for p, _ in op.recvs} == frm and len(op.recvs) == 2 * U
+                      and all(n < S * h * D * itemsize for _, n in op.recvs)]
+            assert [op.recvs[0][1] for op in pieces] == [n * h * D * itemsize for n in rows], (P, x)
+            assert len(other) == len([op for op in base[x] if isinstance(op, Transfer)
+                                      and op.queue == "other"]) - 2 + len(rows)
+            sent = lambda ops: sum(n for op in ops if isinstance(op, Transfer) and op.queue == "other"  # noqa: E731
+                                   for _, n in op.sends)
+            assert sent(ops) == sent(base[x]), (P, x)  # the ring passes pieces, not blocks: fewer bytes
+            kv_rows = {n for op in ops if isinstance(op, Attend) for n in op.kv}
+            assert set(rows) <= kv_rows, (P, x, kv_rows)
+    # the swiftfusion program takes no kv_pieces (its transport refuses them)
+    assert "kv_pieces" not in get("swiftfusion").program_options

@@ -84,10 +84,12 @@ def _mesh(spec: StrategySpec, topology: Topology, workload: Workload, ulysses_de
     return mesh, spec.resolve(mesh, log=False), workload
 
 
-def programs(spec: StrategySpec, mesh: Mesh, w: Workload, launches: str | None = None) -> list[list]:
+def programs(spec: StrategySpec, mesh: Mesh, w: Workload, launches: str | None = None,
+             options: dict | None = None) -> list[list]:
     """Every rank's ops (``strategies/ops.py``) for one layer of ``w`` under ``spec``, with the
     Torus strategies' attention ``launches`` (``"ring"`` / ``"stage"``; None: their program's
-    default) where the spec has launch modes."""
+    default) where the spec has launch modes, and those of the strategy ``options`` its
+    program takes (``spec.program_options``, e.g. torus's ``kv_pieces``)."""
     W = mesh.world_size
     if w.seq_len % W:
         raise TopologyError(f"sequence length {w.seq_len} is not divisible by the SP degree {W}")
@@ -95,19 +97,21 @@ def programs(spec: StrategySpec, mesh: Mesh, w: Workload, launches: str | None =
         raise ValueError(f"no cost model for strategy {spec.name!r} (it has no program)")
     shape = Shape(w.batch, w.seq_len // W, w.heads, w.head_dim, 0, BYTES[w.dtype])
     kw = {"launches": launches} if launches is not None and spec.launch_modes else {}
+    kw |= {k: v for k, v in (options or {}).items() if k in spec.program_options}
     return [spec.program(mesh, x, shape, **kw) for x in range(W)]
 
 
 def predict(strategy: str, topology: Topology, workload: Workload, profile: HardwareProfile,
-            ulysses_degree: int | None = None, pad_heads: bool = True) -> Prediction:
+            ulysses_degree: int | None = None, pad_heads: bool = True,
+            options: dict | None = None) -> Prediction:
     """Latency of one attention layer for ``strategy`` with Ulysses degree ``ulysses_degree``
     (default ``gcd(N*M, H)``), as ``init_sequence_parallel`` runs it: on zero-padded heads
     where the Torus schedule needs them (``pad_heads``, default degree only), else with the
-    spec's fallback."""
+    spec's fallback; ``options``: strategy options its program takes (``programs``)."""
     spec = get(strategy)
     mesh, runs, w = _mesh(spec, topology, workload, ulysses_degree, pad_heads)
     prof = profile.for_baseline() if runs.baseline else profile
-    res = simulate(programs(runs, mesh, w, prof.launches), topology, prof, w.dtype, w.head_dim)
+    res = simulate(programs(runs, mesh, w, prof.launches, options), topology, prof, w.dtype, w.head_dim)
     x = max(range(len(res.finish_s)), key=res.finish_s.__getitem__)
     per_rank = counted_inter_node_elements(mesh, w.batch, w.seq_len, w.heads, w.head_dim, runs.ring)
     return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement,

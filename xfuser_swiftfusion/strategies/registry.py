@@ -79,7 +79,8 @@ class StrategySpec:
     ``native``: call features it runs itself (``"gqa"``: K/V with fewer heads, ``"key_mask"``:
     a ``KeyMask`` keyword); ``call_args`` adapts a call to the others. ``launch_modes``: the
     values of its ``launches`` option, which its ``program`` takes as a keyword (the first:
-    the default of its program).
+    the default of its program). ``program_options``: the other options its ``program`` takes
+    as keywords (``torus``: ``kv_pieces``).
     """
 
     name: str
@@ -97,6 +98,7 @@ class StrategySpec:
     order: int = 100
     native: tuple[str, ...] = ()
     launch_modes: tuple[str, ...] = ()
+    program_options: tuple[str, ...] = ()
 
     def runs_on(self, mesh: Mesh) -> bool:
         return mesh.torus_ready or not self.needs_torus

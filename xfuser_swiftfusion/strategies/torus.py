@@ -691,7 +691,7 @@ class TorusOps:
     """The calls of a Torus transport as ops (``ops.py``), on GPU ``rank`` = (t, u, r) for a
     layer of ``shape``: what ``torus_ops`` needs of a transport, mirroring ``TorusIO``."""
 
-    def __init__(self, mesh: Mesh, rank: int, shape: Shape) -> None:
+    def __init__(self, mesh: Mesh, rank: int, shape: Shape, kv_pieces: int = 1) -> None:
         self.mesh, self.shape, self.rank = mesh, shape, rank
         self.prog = Program(rank)
         self.t, self.u, self.r = mesh.coords(rank)
@@ -700,6 +700,13 @@ class TorusOps:
         self.slot = shape.nbytes(self.h, shape.tokens)                 # [B, h, S, D]
         self.oslot = shape.nbytes(self.h, shape.tokens + shape.text)   # an output slot
         self.ring_ranks = mesh.ring_groups[self.t * self.U + self.u]
+        # the last Pull-KV stage's pieces (TorusAttention.pieces: at most S), their rows
+        self.pieces = min(kv_pieces, shape.tokens) if self.T > 1 else 1
+        self.piece_rows = [hi - lo for lo, hi in piece_bounds(shape.tokens, self.pieces)]
+
+    def rows_of(self, piece: int | None) -> int:
+        """Rows of a K/V slot (``piece``: of that piece of it)."""
+        return self.shape.tokens if piece is None else self.piece_rows[piece]
 
     def peer(self, a: int, b: int) -> int:
         return self.mesh.rank_of(a, b, self.r)
@@ -710,11 +717,14 @@ class TorusOps:
 
 
 class TwoSidedTorusOps(TorusOps):
-    """``TwoSidedTorusIO``'s calls: one exchange per tensor and stage, ``PassRing``."""
+    """``TwoSidedTorusIO``'s calls: one exchange per tensor and stage (the last stage's K/V
+    with pieces: one exchange of K and V per piece), ``PassRing``."""
 
     def stage_in(self) -> None:
         T, U = self.T, self.U
         self.prog.add(Copy(3 * T * U * self.slot))  # split_heads(...).contiguous() of Q, K, V
+        if self.pieces > 1:
+            self.prog.add(Copy(2 * U * self.slot))  # my K, V slots [t-1] into the piece buffers
         self.prog.wait(*(self._exchange(0, self.slot) for _ in "QKV"))
         self.pending: list[str | None] = []
 
@@ -723,20 +733,31 @@ class TwoSidedTorusOps(TorusOps):
         return self.prog.transfer("exchange", "other", self.peers(tn, nbytes), self.peers(tp, nbytes))
 
     def issue_pulls(self) -> tuple[dict, dict]:
-        EQ = {kk: [self._exchange(kk, self.slot)] for kk in range(1, self.T)}
-        EKV = {kk: [self._exchange(kk, self.slot), self._exchange(kk, self.slot)]
-               for kk in range(1, self.T)}
+        T, P = self.T, self.pieces
+        EQ = {kk: [self._exchange(kk, self.slot)] for kk in range(1, T)}
+        EKV: dict = {}
+        for kk in range(1, T):
+            if kk == T - 1 and P > 1:  # K's and V's piece p in one exchange
+                tn, tp = (self.t + kk) % T, (self.t - kk) % T
+                for p in range(P):
+                    n = self.shape.nbytes(self.h, self.piece_rows[p])
+                    EKV[kv_key(kk, p)] = [self.prog.transfer("exchange", "other", self.peers(tn, n) * 2,
+                                                             self.peers(tp, n) * 2)]
+            else:
+                EKV[kk] = [self._exchange(kk, self.slot), self._exchange(kk, self.slot)]
         return EQ, EKV
 
-    def ring(self, q_rows: tuple[int, ...]) -> None:
-        U, S = self.U, self.shape.tokens
+    def ring(self, q_rows: tuple[int, ...], piece: int | None = None) -> None:
+        U, S = self.U, self.rows_of(piece)
+        n = self.shape.nbytes(self.h, S)
         ring_ops(self.prog, PassRing, self.ring_ranks, self.r, q_rows, (S,) * U,
-                 self.shape.batch * self.h, (U * self.slot, U * self.slot))
+                 self.shape.batch * self.h, (U * n, U * n))
 
-    def ring_all(self) -> None:
-        """``TwoSidedTorusIO.ring_all``'s exchange: K and V of my block to every ring peer."""
+    def ring_all(self, piece: int | None = None) -> None:
+        """``TwoSidedTorusIO.ring_all``'s exchange: K and V of my block (piece) to every ring
+        peer."""
         peers = [p for _, p in ring_peers(self.ring_ranks, self.r)]
-        n = self.U * self.slot
+        n = self.U * self.shape.nbytes(self.h, self.rows_of(piece))
         self.prog.wait(self.prog.transfer("exchange", "ring", [(p, n) for p in peers for _ in "KV"],
                                           [(p, n) for p in peers for _ in "KV"]))
 
@@ -752,14 +773,16 @@ class TwoSidedTorusOps(TorusOps):
 
 def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
     """The ops of one Torus layer on ``io``'s rank: steps 1-2, ``torus_schedule``'s steps
-    3-7 over ``io`` (``launches="stage"``: ``fused_schedule``'s), step 8."""
+    3-7 over ``io`` (``launches="stage"``: ``fused_schedule``'s; the last Pull-KV stage in
+    ``io.pieces`` pieces), step 8."""
     T, U, S, Tj = io.T, io.U, io.shape.tokens, io.shape.text
     R = len(io.ring_ranks)
     prog, bh = io.prog, io.shape.batch * io.h
     rows: dict[Entry, tuple[int, ...]] = {a: (S,) * U for a in range(T)} | {TEXT: (Tj,)}
-    gathered: set[Entry] = set()
+    gathered: set = set()
+    piece = lambda p: {} if p is None else {"piece": p}  # noqa: E731
     io.stage_in()
-    for s in schedule_of(launches, T, io.t, Tj > 0):
+    for s in schedule_of(launches, T, io.t, Tj > 0, io.pieces):
         match s.kind:
             case "issue":
                 EQ, EKV = io.issue_pulls()
@@ -768,7 +791,7 @@ def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
             case "wait_q":
                 prog.wait(*EQ[s.k])
             case "wait_kv":
-                prog.wait(*EKV[s.k])
+                prog.wait(*EKV[kv_key(s.k, s.piece)])
             case "barrier_ring":
                 io.barrier_ring()
             case "attend":
@@ -776,16 +799,16 @@ def torus_ops(io: TorusOps, launches: str = "ring") -> list[Op]:
                 if s.kv == TEXT:
                     prog.add(Attend(q_rows, (Tj,), bh))
                 else:
-                    io.ring(q_rows)
+                    io.ring(q_rows, **piece(s.piece))
             case "finalize":
                 prog.add(Attend(rows[s.q[0]], (), bh, finalize=True))
             case "launch":
                 kv_rows: tuple[int, ...] = ()
-                for e in s.kv:
-                    if e != TEXT and e not in gathered and R > 1:
-                        io.ring_all()
-                        gathered.add(e)
-                    kv_rows += rows[e] if e == TEXT else (S,) * (U * R)
+                for e, p in s.kv_pieces():
+                    if e != TEXT and (e, p) not in gathered and R > 1:
+                        io.ring_all(**piece(p))
+                        gathered.add((e, p))
+                    kv_rows += rows[e] if e == TEXT else (io.rows_of(p),) * (U * R)
                 prog.add(Attend(tuple(n for e in s.q for n in rows[e]), kv_rows, bh, finalize=s.finalize))
             case "push":
                 io.push_o(s.k)
@@ -804,6 +827,7 @@ def build_torus(a) -> TorusAttention:
 SPEC = register(StrategySpec(
     "torus", "tas", "as tas, the inter-machine all-to-all in Torus stages over isend/irecv, "
     "overlapped with attention", build=build_torus,
-    program=lambda mesh, rank, shape, launches="ring": torus_ops(TwoSidedTorusOps(mesh, rank, shape),
-                                                                 launches), needs_torus=True,
-    fallback="tas", order=2, native=NATIVE, launch_modes=("ring", "stage")))
+    program=lambda mesh, rank, shape, launches="ring", kv_pieces=1: torus_ops(
+        TwoSidedTorusOps(mesh, rank, shape, kv_pieces), launches), needs_torus=True,
+    fallback="tas", order=2, native=NATIVE, launch_modes=("ring", "stage"),
+    program_options=(KV_PIECES_OPTION,)))
