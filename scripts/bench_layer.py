@@ -61,9 +61,14 @@ shaped as the machines' is; ``--usp-splits``: usp also at every other Ulysses x 
 rows are not interleaved with the others; with both and ``--link-mbit``, a second table sets
 each strategy's latency beside its limit ``max(compute, bytes an island sends / link rate)``.
 
+``--kv-pieces 1,4``: each strategy with that option (torus: the last Pull-KV stage's K/V in
+P pieces, ``strategies/torus.py``) once per value, interleaved with the others, in rows named
+``torus[P=4]`` (P = 1: plain ``torus``); each row's ``options`` in the JSON, its prediction
+and its floor with them.
+
 Command (see BENCHMARKS.md): .venv/bin/python scripts/bench_layer.py [--quick]
   [--topologies 4x1,4x2] [--seq 4096,8192] [--head-dims 64] [--batches 1] [--heads 16]
-  [--reps 5] [--link-mbit 300] [--diffusers] [--islands] [--usp-splits]
+  [--reps 5] [--link-mbit 300] [--diffusers] [--islands] [--usp-splits] [--kv-pieces 1,4]
   [--out benchmarks/results/layer]
 """
 from __future__ import annotations
@@ -285,12 +290,30 @@ def reference(q, k, v) -> torch.Tensor:
 
 def split_name(s: str) -> tuple[str, int | None]:
     """``"usp@U2"`` -> ``("usp", 2)``: a strategy at a given Ulysses degree; plain names:
-    ``(s, None)``, the default degree."""
-    name, _, deg = s.partition("@U")
+    ``(s, None)``, the default degree; options in brackets are not part of it
+    (``"torus[P=4]"`` -> ``("torus", None)``, ``row_options``)."""
+    name, _, deg = s.split("[")[0].partition("@U")
     return name, int(deg) if deg else None
 
 
-TORUS_SCHEDULE = ("torus", "swiftfusion")  # strategies whose floor is link + compute / T^2
+ROW_OPTIONS = {"P": "kv_pieces"}  # a row name's bracketed option -> the strategy option
+
+
+def row_name(name: str, options: dict) -> str:
+    """``("torus", {"kv_pieces": 4})`` -> ``"torus[P=4]"``; options at their defaults (P = 1)
+    leave the name plain."""
+    short = {v: k for k, v in ROW_OPTIONS.items()}
+    tags = [f"{short[k]}={v}" for k, v in options.items() if not (k == "kv_pieces" and v == 1)]
+    return f"{name}[{','.join(tags)}]" if tags else name
+
+
+def row_options(s: str) -> dict:
+    """The strategy options of row name ``s``: ``"torus[P=4]"`` -> ``{"kv_pieces": 4}``."""
+    _, _, tags = s.partition("[")
+    return {ROW_OPTIONS[k]: int(v) for k, v in (t.split("=") for t in tags.rstrip("]").split(",") if t)}
+
+
+TORUS_SCHEDULE = ("torus", "swiftfusion")  # strategies whose floor is link + compute / (T^2 P)
 
 
 def add_limits(rows: list[dict], link_mbit: float, machines: int) -> dict:
@@ -298,21 +321,24 @@ def add_limits(rows: list[dict], link_mbit: float, machines: int) -> dict:
     bytes of all machines over ``machines``, at the line rate: the strategies' traffic is the
     same from every machine), ``limit_s`` = max(compute, link): what a perfect overlap of its
     own communication with its own compute would take, ``latency_over_limit``,
-    ``speedup_vs_usp`` (usp at its default split over this row); Torus-schedule rows also
-    ``floor_s`` = link + compute / T^2 (T = ``machines``: the last Pull-KV stage's query block
-    against its K/V block precedes its output's push, docs/one-box.md). Returns the summary:
-    the fastest row, its latency / limit and its speedup over every usp split."""
+    ``speedup_vs_usp`` (usp at its default split over this row; None without a usp row);
+    Torus-schedule rows also ``floor_s`` = link + compute / (T^2 P) (T = ``machines``, P its
+    ``kv_pieces``: the last Pull-KV stage's query block against the last piece of its K/V
+    block precedes its output's push, docs/one-box.md; the timeline model on an ideal link
+    gives this). Returns the summary: the fastest row, its latency / limit and its speedup
+    over every usp split."""
     from xfuser_swiftfusion.emulation.netns import LinkSpec
     rate = LinkSpec(link_mbit).bytes_per_s
-    base = next(r["latency_s"] for r in rows if r["strategy"] == "usp")
+    base = next((r["latency_s"] for r in rows if r["strategy"] == "usp"), None)
     for r in rows:
         r["split"] = f"U{r['ulysses']}xR{r['world'] // r['ulysses']}"
         r["link_s"] = r["formula_total_bytes"] / machines / rate
         r["limit_s"] = max(r["compute_s"], r["link_s"])
         r["latency_over_limit"] = r["latency_s"] / r["limit_s"]
-        r["speedup_vs_usp"] = base / r["latency_s"]
+        r["speedup_vs_usp"] = base / r["latency_s"] if base is not None else None
         if r["ran"] in TORUS_SCHEDULE:
-            r["floor_s"] = r["link_s"] + r["compute_s"] / machines ** 2
+            P = r.get("options", {}).get("kv_pieces", 1)
+            r["floor_s"] = r["link_s"] + r["compute_s"] / (machines ** 2 * P)
     best = min(rows, key=lambda r: r["latency_s"])
     return {"best": best["strategy"], "split": best["split"], "latency_s": best["latency_s"],
             "limit_s": best["limit_s"], "latency_over_limit": best["latency_over_limit"],
@@ -328,14 +354,15 @@ def limits_table(rows: list[dict], link_mbit: float, machines: int) -> str:
            "latency / limit | speedup vs usp | floor ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["latency_s"]):
         floor = f"{r['floor_s'] * 1e3:.1f}" if "floor_s" in r else "-"
+        speedup = f"{r['speedup_vs_usp']:.2f}" if r["speedup_vs_usp"] is not None else "-"
         out.append(f"| {r['strategy']} | {r['ran_as']} | {r['split']} | "
                    f"{r['latency_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | {r['link_s'] * 1e3:.1f} | "
                    f"{r['limit_s'] * 1e3:.1f} | {r['latency_over_limit']:.2f} | "
-                   f"{r['speedup_vs_usp']:.2f} | {floor} |")
+                   f"{speedup} | {floor} |")
     over = ", ".join(f"{x:.2f}x over usp {k}" for k, x in
                      sorted(summary["speedup_over_usp"].items(), key=lambda kv: kv[1]))
     out.append(f"\nfastest: {summary['best']} {summary['split']}, {summary['latency_over_limit']:.2f}x "
-               f"its limit; {over}")
+               f"its limit" + (f"; {over}" if over else ""))
     return "\n".join(out)
 
 
@@ -354,7 +381,7 @@ def warm_up(strategies: list[str], pt: dict) -> dict[str, object]:
         else:
             name, ulysses = split_name(s)
             ctxs[s] = ctx = sf.init_sequence_parallel(name, pt["H"], ulysses_degree=ulysses,
-                                                      timeout_s=600)
+                                                      timeout_s=600, options=row_options(s))
         for _ in range(2):
             ctx.attention(x, x, x)
     return ctxs
@@ -474,7 +501,7 @@ def _rows(res: dict, strategies: list[str], pt: dict, reps: int, quick: bool) ->
         row = {**pt, "strategy": s, "ran_as": r["ran_as"], "ran": r["ran"], "ulysses": r["ulysses"],
                "inter_bytes": r["inter_bytes"],
                "qdisc_bytes": r["qdisc_bytes"], "formula_total_bytes": r["formula_total_bytes"],
-               "peak_rss": r["peak_rss"]}
+               "peak_rss": r["peak_rss"], **({"options": row_options(s)} if row_options(s) else {})}
         if quick:
             row |= {"err": r["err"], "bytes_ok": r["bytes_ok"]}
         else:
@@ -495,7 +522,7 @@ def _predict(rows: list[dict], topo: Topology, link_mbit: float | None,
         if "latency_s" not in r or r["strategy"].startswith(DIFFUSERS):  # no model of diffusers'
             continue
         w = Workload(r["B"], r["L"], r["H"], r["D"], r["dtype"])
-        p = predict(r["ran"], topo, w, prof, r["ulysses"])
+        p = predict(r["ran"], topo, w, prof, r["ulysses"], options=r.get("options"))
         r["predicted_s"] = p.latency_s
         r["predicted_compute_s"] = p.compute_s
         r["error_pct"] = 100 * (p.latency_s - r["latency_s"]) / r["latency_s"]
@@ -561,6 +588,9 @@ def main() -> int:
     ap.add_argument("--usp-splits", action="store_true",
                     help="also usp at every other Ulysses x Ring split (usp@U<d>), each in a "
                          "launch of its own (xFuser's state exists once per process)")
+    ap.add_argument("--kv-pieces", default=None, metavar="P,P,...",
+                    help="each strategy with option kv_pieces (torus) once per value, rows "
+                         "torus[P=<p>] (P = 1: torus)")
     a = ap.parse_args()
     if a.hardware != "cpu-emulated":
         get_profile(a.hardware)  # a bad name or file fails here, not in the ranks
@@ -574,6 +604,10 @@ def main() -> int:
     heads = a.heads or (12 if a.quick else 16)
     dtype = a.dtype or ("fp32" if a.quick else "bf16")
     strategies = a.strategies.split(",")
+    if a.kv_pieces:
+        strategies = [row_name(s, {"kv_pieces": P}) if "kv_pieces" in get(split_name(s)[0]).program_options
+                      else s for s in strategies for P in ints(a.kv_pieces)]
+        strategies = list(dict.fromkeys(strategies))  # strategies without the option: once
     link = link_from_args(a)
     rows: list[dict] = []
     t0 = time.time()

@@ -93,3 +93,24 @@ def test_cost_model_ops_follow_the_pieces(launches, T, U, R):
             assert set(rows) <= kv_rows, (P, x, kv_rows)
     # the swiftfusion program takes no kv_pieces (its transport refuses them)
     assert "kv_pieces" not in get("swiftfusion").program_options
+
+
+def test_bench_layer_rows_carry_the_pieces():
+    """``bench_layer.py --kv-pieces``: row names <-> options, the floor link + C / (T^2 P)
+    (figures by hand: 150 Mbit/s = 18.75 MB/s), limits without a usp row."""
+    from support.scripts import load_script
+    bench = load_script("bench_layer")
+    assert bench.row_name("torus", {"kv_pieces": 4}) == "torus[P=4]"
+    assert bench.row_name("torus", {"kv_pieces": 1}) == "torus"
+    assert bench.row_options("torus[P=4]") == {"kv_pieces": 4} and bench.row_options("torus") == {}
+    assert bench.split_name("torus[P=4]") == ("torus", None) and bench.split_name("usp@U2") == ("usp", 2)
+    row = lambda s, lat, comp: dict(  # noqa: E731
+        strategy=s, ran="torus", ran_as="torus", ulysses=8, world=8, latency_s=lat, compute_s=comp,
+        formula_total_bytes=8388608, **({"options": bench.row_options(s)} if bench.row_options(s) else {}))
+    rows = [row("torus", 0.27, 0.15), row("torus[P=4]", 0.25, 0.16)]
+    summary = bench.add_limits(rows, 150, 2)
+    link = 8388608 / 2 / 18.75e6
+    assert rows[0]["floor_s"] == pytest.approx(link + 0.15 / 4)
+    assert rows[1]["floor_s"] == pytest.approx(link + 0.16 / 16)
+    assert rows[1]["speedup_vs_usp"] is None and summary["best"] == "torus[P=4]"
+    assert "torus[P=4]" in bench.limits_table(rows, 150, 2)
