@@ -14,14 +14,15 @@ from support.reference import max_abs_err, rank_rows
 
 
 def _pieces_rank():
-    """2 x 2 (T = 2, U = 2), kv_pieces = 3 over S = 7 rows (pieces of 3, 2, 2): text,
-    grouped-query K/V (8 query heads, 4 K/V heads), a key mask, both launch modes, two calls
-    (the second replays the plan); then the fp8 refusal. Returns ([(launches, call, err)], msg)."""
+    """2 x 2, kv_pieces = 3 over S = 7 rows (pieces of 3, 2, 2): 8 query heads, 4 K/V heads
+    (T = 2, U = 2, R = 1) and 2 query heads, 1 K/V head (T = 2, U = 1, R = 2: the ring passes
+    and gathers pieces); text, a key mask, both launch modes, two calls (the second replays
+    the plan); then the fp8 refusal. Returns ([(H, launches, call, err)], msg)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    B, H, Hkv, S, D, Tj = 2, 8, 4, 7, 16, 5
+    B, S, D, Tj = 2, 7, 16, 5
     mine = slice(rank * S, (rank + 1) * S)
     rows = []
-    for launches in ("ring", "stage"):
+    for (H, Hkv), launches in ((hs, la) for hs in ((8, 4), (2, 1)) for la in ("ring", "stage")):
         ctx = sf.init_sequence_parallel("torus", H, timeout_s=60,
                                         options={"kv_pieces": 3, "launches": launches})
         try:
@@ -38,12 +39,12 @@ def _pieces_rank():
                 rep = lambda x: x.double().repeat_interleave(H // Hkv, dim=1)  # noqa: E731
                 want = rank_rows(q.double(), rep(k), rep(v), rank, world,
                                  (jq.double(), rep(jk), rep(jv)), "front", None, mask, jmask)
-                rows.append((launches, call, max_abs_err(out, want) if out.shape == want.shape else float("inf")))
-            assert ctx.strategy == "torus", ctx.strategy
+                rows.append((H, launches, call, max_abs_err(out, want) if out.shape == want.shape else float("inf")))
+            assert (ctx.strategy, ctx.mesh.ring) == ("torus", 1 if H == 8 else 2), (ctx.strategy, ctx.mesh)
         finally:
             ctx.close()
     try:
-        sf.init_sequence_parallel("torus", H, timeout_s=60, options={"kv_pieces": 3, "fp8_comms": True})
+        sf.init_sequence_parallel("torus", 8, timeout_s=60, options={"kv_pieces": 3, "fp8_comms": True})
         msg = None
     except ValueError as exc:
         msg = str(exc)
@@ -52,9 +53,9 @@ def _pieces_rank():
 
 def test_torus_kv_pieces_on_emulated_ranks():
     for rank, (rows, msg) in enumerate(run_emulated(_pieces_rank, "2x2", timeout_s=300)):
-        assert len(rows) == 4
-        for launches, call, err in rows:
-            assert err <= 1e-5, f"rank {rank} launches={launches} call {call}: err {err:.2e}"
+        assert len(rows) == 8
+        for H, launches, call, err in rows:
+            assert err <= 1e-5, f"rank {rank} H={H} launches={launches} call {call}: err {err:.2e}"
         assert msg is not None and "kv_pieces > 1 with fp8_comms is not supported" in msg, msg
 
 
