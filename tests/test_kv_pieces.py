@@ -115,3 +115,13 @@ def test_bench_layer_rows_carry_the_pieces():
     assert rows[1]["floor_s"] == pytest.approx(link + 0.16 / 16)
     assert rows[1]["speedup_vs_usp"] is None and summary["best"] == "torus[P=4]"
     assert "torus[P=4]" in bench.limits_table(rows, 150, 2)
+
+
+def test_plan_predicts_torus_with_its_pieces():
+    """``swiftfusion plan --kv-pieces P``: torus's prediction runs its program with P pieces
+    (here more, smaller launches: slower on this host-bound profile), the others' unchanged."""
+    from xfuser_swiftfusion.tools.cli import plan
+    one, four = (plan(1, 8, 24, 4096, 128, hardware="l40s-2s", kv_pieces=P) for P in (1, 4))
+    assert four["torus"]["predicted_latency_s"] != one["torus"]["predicted_latency_s"]
+    for name in ("tas", "swiftfusion"):
+        assert four[name]["predicted_latency_s"] == one[name]["predicted_latency_s"]

@@ -38,7 +38,7 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
          batch: int = 1, dtype: str = "bf16", hardware: str = "p4de",
-         pad_heads: bool = True) -> dict[str, dict]:
+         pad_heads: bool = True, kv_pieces: int = 1) -> dict[str, dict]:
     """Per strategy, as ``init_sequence_parallel`` runs it at the default degree: the
     strategy that runs, its heads (``heads`` > H: zero-padded for the Torus schedule, unless
     ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
@@ -47,7 +47,8 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     (strategy, degrees) ``auto`` would pick, and where that is the baseline, why. Where the
     profile has the rates of finer cuts (``levels``: NVLink pairs inside a socket's island)
     the table is the default cut's and the pick the fastest over every cut (its
-    ``topology``; ``cuts``: each cut's own pick)."""
+    ``topology``; ``cuts``: each cut's own pick). ``kv_pieces``: the option of the strategies
+    that take it (torus) in the table; the pick's candidates run without it."""
     from ..cost_model import (Workload, get_profile, host_topologies, predict, recommend_cut,
                               refused, why_baseline)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
@@ -64,7 +65,7 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
         paper = paper_inter_node_elements_per_machine(
             spec.placement, topo.nodes, topo.gpus_per_node, mesh.ulysses,
             batch, seq_len, h, head_dim) / topo.gpus_per_node
-        pred = predict(name, topo, work, profile, pad_heads=pad_heads)
+        pred = predict(name, topo, work, profile, pad_heads=pad_heads, options={"kv_pieces": kv_pieces})
         why_not = refused(spec, profile)
         out[name] = {
             "runs_as": "refused" if why_not else runs.name, "heads": h, "refused": why_not,
@@ -235,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-pad-heads", dest="pad_heads", action="store_false",
                     help="torus/swiftfusion: the fallback where the default mesh does not fit the "
                          "machines, instead of zero-padded heads (options={'pad_heads': False})")
+    pl.add_argument("--kv-pieces", type=int, default=1, metavar="P",
+                    help="torus: the last Pull-KV stage's K/V in P pieces (options={'kv_pieces': P})")
 
     from .calibrate import add_arguments as add_calibrate_arguments
     add_calibrate_arguments(sub.add_parser(
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_calibrate(args)
         if args.cmd == "plan":
             p = plan(args.nodes, args.gpus_per_node, args.heads, args.seq_len, args.head_dim,
-                     args.batch, args.dtype, args.hardware, args.pad_heads)
+                     args.batch, args.dtype, args.hardware, args.pad_heads, args.kv_pieces)
             print(json.dumps(p, indent=2)) if args.json else _print_plan(p, args)
             return 0
         if args.cmd == "compare":
