@@ -125,3 +125,17 @@ def test_plan_predicts_torus_with_its_pieces():
     assert four["torus"]["predicted_latency_s"] != one["torus"]["predicted_latency_s"]
     for name in ("tas", "swiftfusion"):
         assert four[name]["predicted_latency_s"] == one[name]["predicted_latency_s"]
+
+
+def test_auto_children_get_kv_pieces_only_where_they_take_it(caplog):
+    """auto builds its pick with the context's options: kv_pieces reaches torus; swiftfusion
+    (whose one-sided transport refuses it) and tas run without it, logged once."""
+    import logging
+    from xfuser_swiftfusion.strategies import get
+    from xfuser_swiftfusion.strategies.auto import child_options
+    opts = {"kv_pieces": 4, "comm": "auto"}
+    assert child_options(opts, get("torus")) == opts
+    with caplog.at_level(logging.INFO):
+        assert child_options(opts, get("swiftfusion")) == {"comm": "auto"}
+    assert "swiftfusion takes no option kv_pieces" in caplog.text
+    assert child_options({"kv_pieces": 1}, get("swiftfusion")) == {"kv_pieces": 1}

@@ -125,6 +125,22 @@ def finer_cuts(detected: HostIslands | None, topology: Topology,
     return tuple(out)
 
 
+PROGRAM_OPTIONS = ("kv_pieces",)  # options of some strategies' schedules, unknown to the others
+
+
+def child_options(options: dict, spec: StrategySpec) -> dict:
+    """The options a child of ``spec`` (the one that runs, after its fallback) is built with:
+    ``options`` less the schedule options it does not take (``StrategySpec.program_options``,
+    e.g. ``kv_pieces`` on ``swiftfusion``, whose transport refuses it), logged once."""
+    drop = [o for o in PROGRAM_OPTIONS if options.get(o, 1) != 1 and o not in spec.program_options]
+    if not drop:
+        return options
+    log_once(logger, f"auto-drop-{spec.name}-{drop}",
+             f"auto: {spec.name} takes no option {', '.join(drop)}; it runs without "
+             f"({', '.join(f'{o}={options[o]!r}' for o in drop)} applies to the strategies that take it)")
+    return {k: v for k, v in options.items() if k not in drop}
+
+
 class AutoAttention:
     """Callable ``(q, k, v, joint, scale, key_mask=)`` under the USP contract (K/V may have
     fewer heads, ``layout``); delegates to the child
@@ -134,7 +150,8 @@ class AutoAttention:
     ``args.options``: ``usp_ulysses``, the Ulysses degree of xFuser's existing groups, if any;
     ``external`` (default True), False to never pick a strategy on xFuser's groups; the
     children get every option (``fp8_comms`` included; the cost model prices compute-dtype
-    transfers)."""
+    transfers) but schedule options they do not take (``child_options``: ``kv_pieces`` reaches
+    ``torus`` only; the cost model prices the children without it)."""
 
     detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
     cuts: tuple[Topology, ...] = ()      # finer cuts that compete with the topology (docstring)
@@ -170,15 +187,18 @@ class AutoAttention:
             spec = get(name)
             if heads == self.num_heads:
                 mesh = choose_mesh(topology, self.num_heads, spec.placement, ulysses)
-                child = spec.resolve(mesh).build(
-                    replace(self.args, mesh=mesh, groups=self.args.groups.for_mesh(mesh)))
+                runs = spec.resolve(mesh)
+                child = runs.build(replace(self.args, mesh=mesh, groups=self.args.groups.for_mesh(mesh),
+                                           options=child_options(self.args.options, runs)))
             else:  # zero-padded heads so the Torus schedule runs (strategies/padded.py)
                 mesh = choose_mesh(topology, heads, spec.placement)
                 if self.rank == 0:
                     log_once(logger, f"auto-pad-{name}-{self.num_heads}-{topology}",
                              padding_message(self.num_heads, heads, topology, f"auto: {name}"))
                 child = build_padded(spec, replace(self.args, mesh=mesh,
-                                                   groups=self.args.groups.for_mesh(mesh)), heads)
+                                                   groups=self.args.groups.for_mesh(mesh),
+                                                   options=child_options(self.args.options, spec)),
+                                     heads)
             self.meshes[key] = mesh
             self._children[key] = child
             self.comms.extend(c for c in child.comms if c not in self.comms)
