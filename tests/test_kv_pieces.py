@@ -1,6 +1,6 @@
-"""Option ``kv_pieces`` of the ``torus`` strategy on emulated ranks (two-sided transport over
-gloo: the pieces as exchanges of their own, piece-major buffers) against the fp64 reference,
-and in the cost model's ops. The schedule's invariants and the in-process numerics per piece
+"""Option ``kv_pieces`` of ``torus`` (two-sided transport over gloo: the pieces as exchanges of
+their own, piece-major buffers) and ``swiftfusion`` (one-sided, the shared-memory heap: gets of
+the pieces' rows) on emulated ranks against the fp64 reference, and in the cost model's ops. The schedule's invariants and the in-process numerics per piece
 are in tests/test_torus_schedule.py."""
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ def _pieces_rank():
     """2 x 2, kv_pieces = 3 over S = 7 rows (pieces of 3, 2, 2): 8 query heads, 4 K/V heads
     (T = 2, U = 2, R = 1) and 2 query heads, 1 K/V head (T = 2, U = 1, R = 2: the ring passes
     and gathers pieces); text, a key mask, both launch modes, two calls (the second replays
-    the plan); then the fp8 refusal. Returns ([(H, launches, call, err)], msg)."""
+    the plan); torus and swiftfusion; then the fp8 refusal. Returns
+    ([(strategy, H, launches, call, err)], [msg per strategy])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     B, S, D, Tj = 2, 7, 16, 5
     mine = slice(rank * S, (rank + 1) * S)
     rows = []
-    for (H, Hkv), launches in ((hs, la) for hs in ((8, 4), (2, 1)) for la in ("ring", "stage")):
-        ctx = sf.init_sequence_parallel("torus", H, timeout_s=60,
+    for name, (H, Hkv), launches in ((n, hs, la) for n in ("torus", "swiftfusion")
+                                     for hs in ((8, 4), (2, 1)) for la in ("ring", "stage")):
+        ctx = sf.init_sequence_parallel(name, H, timeout_s=60,
                                         options={"kv_pieces": 3, "launches": launches})
         try:
             for call in range(2):
@@ -39,24 +41,27 @@ def _pieces_rank():
                 rep = lambda x: x.double().repeat_interleave(H // Hkv, dim=1)  # noqa: E731
                 want = rank_rows(q.double(), rep(k), rep(v), rank, world,
                                  (jq.double(), rep(jk), rep(jv)), "front", None, mask, jmask)
-                rows.append((H, launches, call, max_abs_err(out, want) if out.shape == want.shape else float("inf")))
-            assert (ctx.strategy, ctx.mesh.ring) == ("torus", 1 if H == 8 else 2), (ctx.strategy, ctx.mesh)
+                rows.append((name, H, launches, call, max_abs_err(out, want) if out.shape == want.shape else float("inf")))
+            assert (ctx.strategy, ctx.mesh.ring) == (name, 1 if H == 8 else 2), (ctx.strategy, ctx.mesh)
         finally:
             ctx.close()
-    try:
-        sf.init_sequence_parallel("torus", 8, timeout_s=60, options={"kv_pieces": 3, "fp8_comms": True})
-        msg = None
-    except ValueError as exc:
-        msg = str(exc)
-    return rows, msg
+    msgs = []
+    for name in ("torus", "swiftfusion"):
+        try:
+            sf.init_sequence_parallel(name, 8, timeout_s=60, options={"kv_pieces": 3, "fp8_comms": True})
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return rows, msgs
 
 
 def test_torus_kv_pieces_on_emulated_ranks():
-    for rank, (rows, msg) in enumerate(run_emulated(_pieces_rank, "2x2", timeout_s=300)):
-        assert len(rows) == 8
-        for H, launches, call, err in rows:
-            assert err <= 1e-5, f"rank {rank} H={H} launches={launches} call {call}: err {err:.2e}"
-        assert msg is not None and "kv_pieces > 1 with fp8_comms is not supported" in msg, msg
+    for rank, (rows, msgs) in enumerate(run_emulated(_pieces_rank, "2x2", timeout_s=300)):
+        assert len(rows) == 16
+        for name, H, launches, call, err in rows:
+            assert err <= 1e-5, f"rank {rank} {name} H={H} launches={launches} call {call}: err {err:.2e}"
+        for msg in msgs:
+            assert msg is not None and "kv_pieces > 1 with fp8_comms is not supported" in msg, msg
 
 
 @pytest.mark.parametrize("launches", ["ring", "stage"])
@@ -92,8 +97,28 @@ def test_cost_model_ops_follow_the_pieces(launches, T, U, R):
             assert sent(ops) == sent(base[x]), (P, x)  # the ring passes pieces, not blocks: fewer bytes
             kv_rows = {n for op in ops if isinstance(op, Attend) for n in op.kv}
             assert set(rows) <= kv_rows, (P, x, kv_rows)
-    # the swiftfusion program takes no kv_pieces (its transport refuses them)
-    assert "kv_pieces" not in get("swiftfusion").program_options
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+def test_one_sided_ops_get_the_pieces(launches):
+    """swiftfusion's ops with kv_pieces P: the last stage's K/V as P gets from each GPU of the
+    machine it comes from (K and V of S_p rows packed), a ring-group sync per piece."""
+    from xfuser_swiftfusion.cost_model import Workload, programs
+    from xfuser_swiftfusion.mesh import Mesh
+    from xfuser_swiftfusion.strategies import get
+    from xfuser_swiftfusion.strategies.ops import Barrier, Transfer
+    from xfuser_swiftfusion.topology import Topology
+    T, U, R, S, H, D = 2, 2, 2, 7, 4, 8
+    mesh = Mesh(Topology(T, U * R), T * U, R, "tas")
+    w = Workload(1, T * U * R * S, H, D, "fp32")
+    spec, h = get("swiftfusion"), H // (T * U)
+    base = programs(spec, mesh, w, launches)
+    for x, ops in enumerate(programs(spec, mesh, w, launches, {"kv_pieces": 3})):
+        gets = [op.recvs[0][1] for op in ops if isinstance(op, Transfer) and op.kind == "get"
+                and op.queue == "other" and op.recvs[0][1] not in (S * h * D * 4, 2 * S * h * D * 4)]
+        assert gets == [2 * n * h * D * 4 for n in (3, 2, 2) for _ in range(U)], (x, gets)
+        syncs = lambda ops: sum(isinstance(op, Barrier) and not op.quiet for op in ops)  # noqa: E731
+        assert syncs(ops) == syncs(base[x]) + 2, x
 
 
 def test_bench_layer_rows_carry_the_pieces():
@@ -118,24 +143,25 @@ def test_bench_layer_rows_carry_the_pieces():
 
 
 def test_plan_predicts_torus_with_its_pieces():
-    """``swiftfusion plan --kv-pieces P``: torus's prediction runs its program with P pieces
-    (here more, smaller launches: slower on this host-bound profile), the others' unchanged."""
+    """``swiftfusion plan --kv-pieces P``: torus's and swiftfusion's predictions run their
+    programs with P pieces (here more, smaller launches: slower on this host-bound profile),
+    tas's unchanged."""
     from xfuser_swiftfusion.tools.cli import plan
     one, four = (plan(1, 8, 24, 4096, 128, hardware="l40s-2s", kv_pieces=P) for P in (1, 4))
-    assert four["torus"]["predicted_latency_s"] != one["torus"]["predicted_latency_s"]
-    for name in ("tas", "swiftfusion"):
-        assert four[name]["predicted_latency_s"] == one[name]["predicted_latency_s"]
+    for name in ("torus", "swiftfusion"):
+        assert four[name]["predicted_latency_s"] != one[name]["predicted_latency_s"], name
+    assert four["tas"]["predicted_latency_s"] == one["tas"]["predicted_latency_s"]
 
 
 def test_auto_children_get_kv_pieces_only_where_they_take_it(caplog):
-    """auto builds its pick with the context's options: kv_pieces reaches torus; swiftfusion
-    (whose one-sided transport refuses it) and tas run without it, logged once."""
+    """auto builds its pick with the context's options: kv_pieces reaches torus and
+    swiftfusion; tas (no Torus schedule) runs without it, logged once."""
     import logging
     from xfuser_swiftfusion.strategies import get
     from xfuser_swiftfusion.strategies.auto import child_options
     opts = {"kv_pieces": 4, "comm": "auto"}
-    assert child_options(opts, get("torus")) == opts
+    assert child_options(opts, get("torus")) == opts == child_options(opts, get("swiftfusion"))
     with caplog.at_level(logging.INFO):
-        assert child_options(opts, get("swiftfusion")) == {"comm": "auto"}
-    assert "swiftfusion takes no option kv_pieces" in caplog.text
-    assert child_options({"kv_pieces": 1}, get("swiftfusion")) == {"kv_pieces": 1}
+        assert child_options(opts, get("tas")) == {"comm": "auto"}
+    assert "tas takes no option kv_pieces" in caplog.text
+    assert child_options({"kv_pieces": 1}, get("tas")) == {"kv_pieces": 1}

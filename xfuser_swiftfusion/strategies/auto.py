@@ -131,7 +131,7 @@ PROGRAM_OPTIONS = ("kv_pieces",)  # options of some strategies' schedules, unkno
 def child_options(options: dict, spec: StrategySpec) -> dict:
     """The options a child of ``spec`` (the one that runs, after its fallback) is built with:
     ``options`` less the schedule options it does not take (``StrategySpec.program_options``,
-    e.g. ``kv_pieces`` on ``swiftfusion``, whose transport refuses it), logged once."""
+    e.g. ``kv_pieces`` on ``tas``, which has no Torus schedule), logged once."""
     drop = [o for o in PROGRAM_OPTIONS if options.get(o, 1) != 1 and o not in spec.program_options]
     if not drop:
         return options
@@ -151,7 +151,7 @@ class AutoAttention:
     ``external`` (default True), False to never pick a strategy on xFuser's groups; the
     children get every option (``fp8_comms`` included; the cost model prices compute-dtype
     transfers) but schedule options they do not take (``child_options``: ``kv_pieces`` reaches
-    ``torus`` only; the cost model prices the children without it)."""
+    ``torus`` and ``swiftfusion`` only; the cost model prices the children without it)."""
 
     detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
     cuts: tuple[Topology, ...] = ()      # finer cuts that compete with the topology (docstring)

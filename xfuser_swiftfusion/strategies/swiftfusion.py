@@ -11,7 +11,12 @@ Symmetric buffers on every rank (``[T, U]`` grids of slots, ``layout.Slots``: im
   transfer): slot ``a != t`` staged for machine ``a``, slot ``t`` my working K/V (written only
   by the intra-machine scatter);
 - pulled ``KV`` ``[T-1, U, 2, B, h_kv, S, D]``, machine ``(t - k) % T`` in slot ``k - 1`` (the
-  same slot on every ring peer, which shares ``t``: ring peers read them).
+  same slot on every ring peer, which shares ``t``: ring peers read them);
+- with K/V pieces (option ``kv_pieces`` P > 1, ``torus.py``): ``PKV``, P buffers
+  ``[U, 2, B, h_kv, S_p, D]``: piece p of the last stage's block, pulled from rows
+  ``[lo, hi)`` of the peers' staged ``KVb`` slots (a strided remote side: 2 B h_kv runs) into a
+  contiguous local one, attended and read by the ring peers where it lands; ``KV[T-2]`` stays
+  unused.
 Per rank that is 2 X' + (2 + 2 (T-1)/T) X (X: one rank's Q, X': with text rows). Pulled Q
 and QO/QOb are symmetric although no peer reads them because NVSHMEM's inter-machine
 transports need the local side of a transfer registered too.
@@ -36,7 +41,8 @@ layer, and a ring-group sync (no quiet) per Pull-KV stage. Why that is enough:
 - ``QOb[a, b]`` is pushed into by GPU ``(a, b, r)`` only after it completed its get of the
   queries staged there (its own program order), and I read it after the end barrier;
 - ``K/V[t']`` is pulled into (and waited for) before ring peers read it; the Pull-KV ring
-  sync orders that without draining the later stages' pulls still in flight;
+  sync orders that without draining the later stages' pulls still in flight (with pieces:
+  a sync per piece, after its wait, before the ring peers read ``PKV[p]``);
 - with ``launches="stage"`` a block's ring gather (``ring_all``: gets of the peers' ``KVb[t]``
   after barrier 1, of their ``K/V[t']`` after that stage's ring sync, into the local ``G``)
   reads the same slots the ring's gets read, at the same points, so the same reasoning holds;
@@ -58,7 +64,7 @@ from .layout import Slots, split_heads
 from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
 from .ring import PullRing, ring_ops, slots
-from .torus import TorusAttention, TorusOps, kv_pieces_option, ring_peers, torus_ops
+from .torus import TorusAttention, TorusOps, kv_key, kv_pieces_option, piece_bounds, ring_peers, torus_ops
 
 logger = get_logger(__name__)
 
@@ -73,8 +79,8 @@ def machine_order(u: int, U: int) -> list[int]:
 
 
 class OneSidedTorusIO:
-    """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU); whole
-    K/V blocks only (``build_swiftfusion`` refuses option ``kv_pieces`` > 1)."""
+    """Torus transport over a symmetric heap (NVSHMEM on GPU, shared memory on CPU); K/V
+    pieces (``stage_in(..., pieces=P)``) as the module docstring says, not with ``fp8_comms``."""
 
     def __init__(self, groups: SPGroups, comm: OneSided, rank: int, fp8_comms: bool = False) -> None:
         self.mesh = mesh = groups.mesh
@@ -96,7 +102,7 @@ class OneSidedTorusIO:
     def _alloc(self, q: torch.Tensor, heads_kv: int, text_len: int) -> dict[str, torch.Tensor | Slots]:
         """Collective on first use of a shape: every rank allocates the same buffers in order
         (``heads_kv``: K/V heads, a multiple of T*U)."""
-        key = (tuple(q.shape), heads_kv, q.dtype, text_len)
+        key = (tuple(q.shape), heads_kv, q.dtype, text_len, self.pieces)
         if key in self._buffers:
             return self._buffers[key]
         T, U = self.mesh.torus, self.mesh.ulysses_intra
@@ -109,6 +115,8 @@ class OneSidedTorusIO:
             buf = {"QO": slots(), "QOb": slots(), "KVb": kv(T)}
             if T > 1:  # one machine: nothing to pull
                 buf["KV"] = kv(T - 1)
+            if self.pieces > 1:  # the last stage's pieces, each where it lands
+                buf["PKV"] = [sym((U, 2, B, h_kv, hi - lo, D)) for lo, hi in self.bounds]
             if self.fp8:  # wire slots (uint8) of what crosses machines
                 nq, nkv = B * h * S * D, B * h_kv * S * D
                 no = Slots.numel(B, h, S, text_len, D)
@@ -120,8 +128,12 @@ class OneSidedTorusIO:
         self._buffers[key] = buf
         return buf
 
-    def stage_in(self, q, k, v, text_len):
+    def stage_in(self, q, k, v, text_len, pieces: int = 1):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
+        self.pieces = pieces if T > 1 else 1
+        if self.pieces > 1 and self.fp8:
+            raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+        self.bounds = piece_bounds(q.shape[2], self.pieces)
         self.buf = self._alloc(q, k.shape[1], text_len)
         self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
         self._gathered: dict[int, list] = {}
@@ -173,8 +185,12 @@ class OneSidedTorusIO:
             return EQ, EKV
         EQ = {kk: pull(kk, [("Q", self.O.rows[(t - kk) % T], self.Ob.rows)], f"Pull-Q stage {kk + 1}")
               for kk in range(1, T)}
+        P = self.pieces
         EKV = {kk: pull(kk, [("K/V", b_["KV"][kk - 1], b_["KVb"])], f"Pull-KV stage {kk}")
-               for kk in range(1, T)}
+               for kk in range(1, T - 1 if P > 1 else T)}
+        for p, (lo, hi) in enumerate(self.bounds if P > 1 else []):  # rows [lo, hi) of the staged slots
+            EKV[kv_key(T - 1, p)] = pull(T - 1, [("K/V", b_["PKV"][p], b_["KVb"][..., lo:hi, :])],
+                                         f"Pull-KV stage {T - 1}, piece {p + 1}/{P}")
         return EQ, EKV
 
     def _slot(self, a: int) -> int:
@@ -184,38 +200,49 @@ class OneSidedTorusIO:
     def q_block(self, a):
         return self.O.rows[a]
 
-    def _kv(self, a: int) -> torch.Tensor:
-        """``[U, 2, B, h_kv, S, D]``: K/V of machine ``a``'s tokens, my head group."""
+    def _kv(self, a: int, piece: int | None = None) -> torch.Tensor:
+        """``[U, 2, B, h_kv, S, D]``: K/V of machine ``a``'s tokens, my head group (``piece``:
+        that piece of the last stage's block, ``[U, 2, B, h_kv, S_p, D]``)."""
+        if piece is not None:
+            return self.buf["PKV"][piece]
+        if self.pieces > 1 and a == (self.t + 1) % self.mesh.torus:
+            raise AssertionError(f"block {a} arrives in {self.pieces} pieces: ask for a piece")
         return self.buf["KVb"][a] if a == self.t else self.buf["KV"][self._slot(a)]
 
-    def kv_block(self, a):
-        kv = self._kv(a)
+    def kv_block(self, a, piece: int | None = None):
+        kv = self._kv(a, piece)
         return kv[:, 0], kv[:, 1]
 
-    def ring(self, q_chunks, states, a, *, scale, what, masks=None):
-        self._ring(q_chunks, states, self._kv(a), scale=scale, what=what, masks=masks)  # packed: one get a step
+    def ring(self, q_chunks, states, a, *, scale, what, masks=None, piece=None):
+        self._ring(q_chunks, states, self._kv(a, piece), scale=scale, what=what,
+                   masks=masks)  # packed: one get a step
 
-    def ring_all(self, a, *, what):
-        """Gets of block ``a`` from every ring peer's symmetric buffer (the ``"ring"`` queue)
-        into ``G`` (``[T, R-1, U, 2, B, h_kv, S, D]``, slot ``i - 1`` = ring rank ``r + i``),
-        each peer's block one transfer."""
-        if a not in self._gathered:
-            R, r, own = len(self.ring_ranks), self.r, self._kv(a)  # [U, 2, B, h_kv, S, D]
+    def ring_all(self, a, *, what, piece=None):
+        """Gets of block ``a`` (``piece``: that piece of it) from every ring peer's symmetric
+        buffer (the ``"ring"`` queue) into ``G`` (``[T, R-1, U, 2, B, h_kv, S, D]``, slot
+        ``i - 1`` = ring rank ``r + i``; a piece: ``GP[piece]``, ``[R-1, U, 2, B, h_kv, S_p,
+        D]``), each peer's block one transfer."""
+        key = a if piece is None else ("piece", piece)
+        if key not in self._gathered:
+            R, r, own = len(self.ring_ranks), self.r, self._kv(a, piece)  # [U, 2, B, h_kv, S(_p), D]
             blocks = {r: own}
             if R > 1:
-                if "G" not in self.buf:
+                if piece is None and "G" not in self.buf:
                     self.buf["G"] = torch.empty((self.mesh.torus, R - 1, *own.shape), dtype=own.dtype,
                                                 device=own.device)
+                if piece is not None and piece not in self.buf.setdefault("GP", {}):
+                    self.buf["GP"][piece] = torch.empty((R - 1, *own.shape), dtype=own.dtype,
+                                                        device=own.device)
                 handles = []
                 for i, (r2, p) in enumerate(ring_peers(self.ring_ranks, r)):
-                    dst = self.buf["G"][a, i]
+                    dst = self.buf["G"][a, i] if piece is None else self.buf["GP"][piece][i]
                     handles.append(self.comm.get(dst, own, p, queue="ring",
                                                  what=f"{what}, ring gather of block {a} from rank {p}"))
                     blocks[r2] = dst
                 for h in handles:
                     h.wait()
-            self._gathered[a] = [(r2, slots(blocks[r2])) for r2 in range(R)]
-        return self._gathered[a]
+            self._gathered[key] = [(r2, slots(blocks[r2])) for r2 in range(R)]
+        return self._gathered[key]
 
     def barrier_ring(self, *, what):
         if len(self.ring_ranks) > 1 and self.fp8:  # ring peers are about to pull my K/V[t'],
@@ -271,18 +298,23 @@ class OneSidedTorusOps(TorusOps):
                 for pn in self.peers((self.t - kk) % self.T, nbytes)]
 
     def issue_pulls(self) -> tuple[dict, dict]:
-        EQ = {kk: self._gets(kk, self.slot) for kk in range(1, self.T)}
-        EKV = {kk: self._gets(kk, 2 * self.slot) for kk in range(1, self.T)}
+        T, P = self.T, self.pieces
+        EQ = {kk: self._gets(kk, self.slot) for kk in range(1, T)}
+        EKV = {kk: self._gets(kk, 2 * self.slot) for kk in range(1, T - 1 if P > 1 else T)}
+        for p in range(P if P > 1 else 0):  # the last stage's pieces: K/V rows of each slot
+            EKV[kv_key(T - 1, p)] = self._gets(T - 1, 2 * self.shape.nbytes(self.h, self.piece_rows[p]))
         return EQ, EKV
 
-    def ring(self, q_rows: tuple[int, ...]) -> None:
-        U, S = self.U, self.shape.tokens
+    def ring(self, q_rows: tuple[int, ...], piece: int | None = None) -> None:
+        U, S = self.U, self.rows_of(piece)
         ring_ops(self.prog, PullRing, self.ring_ranks, self.r, q_rows, (S,) * U,
-                 self.shape.batch * self.h, (2 * U * self.slot,))
+                 self.shape.batch * self.h, (2 * U * self.shape.nbytes(self.h, S),))
 
-    def ring_all(self) -> None:
-        """``OneSidedTorusIO.ring_all``'s gets: one packed K/V block from every ring peer."""
-        self.prog.wait(*(self.prog.transfer("get", "ring", recvs=[(p, 2 * self.U * self.slot)])
+    def ring_all(self, piece: int | None = None) -> None:
+        """``OneSidedTorusIO.ring_all``'s gets: one packed K/V block (piece) from every ring
+        peer."""
+        n = 2 * self.U * self.shape.nbytes(self.h, self.rows_of(piece))
+        self.prog.wait(*(self.prog.transfer("get", "ring", recvs=[(p, n)])
                          for _, p in ring_peers(self.ring_ranks, self.r)))
 
     def barrier_ring(self) -> None:
@@ -335,9 +367,7 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
                  f"{uneven[0]} (global ranks) is not (islands whose ranks interleave unevenly); "
                  "running 'torus' (two-sided) instead")
         return get("torus").build(a)
-    if kv_pieces_option(a.options) > 1:
-        raise ValueError("swiftfusion: kv_pieces > 1 is not supported by the one-sided transport "
-                         "(OneSidedTorusIO); use strategy 'torus' with kv_pieces, or kv_pieces=1")
+    kv_pieces_option(a.options)  # checked before any communicator is made
     one = a.one_sided()
     one.prepare_groups(a.groups.ring_groups)
     io = OneSidedTorusIO(a.groups, one, a.rank, fp8.enabled(a.options))
@@ -347,7 +377,8 @@ def build_swiftfusion(a: BuildArgs) -> TorusAttention:
 SPEC = register(StrategySpec(
     "swiftfusion", "tas", "as torus, over one-sided put/get with the fused multi-chunk kernel",
     build=build_swiftfusion,
-    program=lambda mesh, rank, shape, launches="ring": torus_ops(OneSidedTorusOps(mesh, rank, shape),
-                                                                 launches), ring="pull",
+    program=lambda mesh, rank, shape, launches="ring", kv_pieces=1: torus_ops(
+        OneSidedTorusOps(mesh, rank, shape, kv_pieces), launches), ring="pull",
     one_sided=True, needs_torus=True,
-    fallback="tas", order=3, native=NATIVE, launch_modes=("ring", "stage")))
+    fallback="tas", order=3, native=NATIVE, launch_modes=("ring", "stage"),
+    program_options=("kv_pieces",)))
