@@ -274,9 +274,9 @@ def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None 
     (``strategies/planned.py``). ``launches`` (torus, swiftfusion; default ``"stage"`` on
     CUDA, ``"ring"`` on CPU): one attention launch per Torus stage and query block over the
     gathered ring group's K/V, or one per ring step (``strategies/torus.py``).
-    ``kv_pieces`` (torus; default 1): the last Pull-KV stage's K/V block in that many pieces,
-    each attended as it arrives (``strategies/torus.py``; swiftfusion and ``fp8_comms``
-    refuse more than one).
+    ``kv_pieces`` (torus, swiftfusion; default 1): the last Pull-KV stage's K/V block in that
+    many pieces, each attended as it arrives (``strategies/torus.py``; ``fp8_comms`` refuses
+    more than one).
 
     Every call of tas, torus and swiftfusion runs an execution plan: the first call with an input
     signature compiles the layer (checks, buffers, chunk tables, resolved transfers), later

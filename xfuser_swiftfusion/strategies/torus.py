@@ -24,7 +24,8 @@ with the same work and bytes:
   are attended by every query entry as each arrives, the last one block by block as above.
   The work left after the last byte of K/V shrinks from C/T^2 to C/(T^2 P) of the layer's
   compute C, for P - 1 more transfers per peer (and, with ``launches="stage"``, P - 1 more
-  launches per layer: 10 + P - 1 at T = 4 with text).
+  launches per layer: 10 + P - 1 at T = 4 with text). Both transports move pieces; not with
+  ``fp8_comms`` (its wire slots are whole blocks: ``ValueError``).
 Text (joint) tokens are one more query entry and one more K/V entry (``TEXT``): the text
 queries ride with the local queries, the text K/V (replicated, so attended locally, without a
 ring) is attended once by every query entry, in its Pull-Q stage.
