@@ -1,7 +1,8 @@
 """Option ``kv_pieces`` of ``torus`` (two-sided transport over gloo: the pieces as exchanges of
 their own, piece-major buffers) and ``swiftfusion`` (one-sided, the shared-memory heap: gets of
-the pieces' rows) on emulated ranks against the fp64 reference, and in the cost model's ops. The schedule's invariants and the in-process numerics per piece
-are in tests/test_torus_schedule.py."""
+the pieces' rows) on emulated ranks against the fp64 reference, and in the cost model's ops.
+The schedule's invariants and the in-process numerics per piece are in
+tests/test_torus_schedule.py."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,8 @@ def _pieces_rank():
                 rep = lambda x: x.double().repeat_interleave(H // Hkv, dim=1)  # noqa: E731
                 want = rank_rows(q.double(), rep(k), rep(v), rank, world,
                                  (jq.double(), rep(jk), rep(jv)), "front", None, mask, jmask)
-                rows.append((name, H, launches, call, max_abs_err(out, want) if out.shape == want.shape else float("inf")))
+                err = max_abs_err(out, want) if out.shape == want.shape else float("inf")
+                rows.append((name, H, launches, call, err))
             assert (ctx.strategy, ctx.mesh.ring) == (name, 1 if H == 8 else 2), (ctx.strategy, ctx.mesh)
         finally:
             ctx.close()

@@ -80,7 +80,7 @@ class StrategySpec:
     a ``KeyMask`` keyword); ``call_args`` adapts a call to the others. ``launch_modes``: the
     values of its ``launches`` option, which its ``program`` takes as a keyword (the first:
     the default of its program). ``program_options``: the other options its ``program`` takes
-    as keywords (``torus``: ``kv_pieces``).
+    as keywords (``torus``, ``swiftfusion``: ``kv_pieces``).
     """
 
     name: str
