@@ -1,0 +1,284 @@
+"""The ``torus`` strategy end to end in one process: ``build_torus`` -> ``TorusAttention`` over
+the real ``TwoSidedTorusIO``, every rank a thread with its own in-process two-sided
+communicator (``support/inproc_comm.py``: NCCL's matching, messages landing at a wait or at
+once), on meshes T in {2, 3}, U in {1, 2}, R in {1, 2}; against the fp64 reference
+(``support/reference.py``; with ``fp8_comms``, the reference's inputs and outputs go through
+the documented wire format where they cross machines). The cost model's ops
+(``TwoSidedTorusOps``, ``torus_ops``) are checked against hand-counted lists and against the
+exchanges the transport posted.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from xfuser_swiftfusion.groups import SPGroups
+from xfuser_swiftfusion.mesh import Mesh
+from xfuser_swiftfusion.strategies import ring, torus
+from xfuser_swiftfusion.strategies.layout import Joint, KeyMask
+from xfuser_swiftfusion.strategies.ops import Attend, Copy, Shape, Transfer, Wait, counts, sent_bytes
+from xfuser_swiftfusion.strategies.torus import TwoSidedTorusOps, torus_ops
+from xfuser_swiftfusion.topology import Topology
+from support.fp64_kernel import attend64, new_state64
+from support.inproc_comm import Fabric
+from support.reference import attention, max_abs_err, rank_rows
+
+B, S, D, SCALE = 2, 2, 4, 0.4
+MESHES = [(T, U, R) for T in (2, 3) for U in (1, 2) for R in (1, 2)]
+
+
+def make_mesh(T: int, U: int, R: int) -> Mesh:
+    """T machines of U*R GPUs, Ulysses T*U across them, ring R inside (tas placement)."""
+    return Mesh(Topology(T, U * R), T * U, R, "tas")
+
+
+@pytest.fixture
+def fp64_kernel(monkeypatch):
+    monkeypatch.setattr(torus, "attend", attend64)
+    monkeypatch.setattr(ring, "attend", attend64)  # PassRing's steps
+    monkeypatch.setattr(torus, "new_states", lambda chunks: [new_state64(c) for c in chunks])
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """One wire slot (``fp8.py``'s format, written here from its description): scale
+    ``amax / 448`` in fp32 (1 for a zero slot), e4m3 payload, back as ``fp8 * scale``."""
+    xs = x.float()
+    amax = xs.abs().amax()
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    return ((xs / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def fp8_reference(mesh: Mesh, q, k, v, joint, where, tokens, text) -> list[torch.Tensor]:
+    """Each rank's rows ``[B, H, S + Tj, D]`` as the fp8 wire gives them: head group g = (a, b)
+    is computed on machine a, from Q, K, V slots ``[B, h(_kv), S, D]`` of the ranks of other
+    machines round-tripped through fp8 (K/V repeated to ``lcm(H_kv, T U)`` heads first), its
+    output slot (image rows, then text rows) round-tripped where it returns to another machine."""
+    T, U, W = mesh.torus, mesh.ulysses_intra, mesh.world_size
+    G, H = T * U, q.shape[1]
+    f = math.lcm(k.shape[1], G) // k.shape[1]
+    k, v = k.repeat_interleave(f, 1), v.repeat_interleave(f, 1)
+    h, hk = H // G, k.shape[1] // G
+    machine = [mesh.coords(x)[0] for x in range(W)]
+    sl = lambda y: slice(y * S, (y + 1) * S)  # noqa: E731
+    out = []
+    for x in range(W):
+        rows = []
+        for g in range(G):
+            a = g // U
+            wire = lambda t, y: fp8_round_trip(t) if machine[y] != a else t  # noqa: E731
+            qh, kh = slice(g * h, (g + 1) * h), slice(g * hk, (g + 1) * hk)
+            keys = torch.cat([wire(k[:, kh, sl(y)], y) for y in range(W)], 2)
+            vals = torch.cat([wire(v[:, kh, sl(y)], y) for y in range(W)], 2)
+            mask = tokens
+            if joint is not None:
+                jk, jv = (t.repeat_interleave(f, 1)[:, kh] for t in joint[1:])
+                keys, vals = torch.cat([jk, keys], 2), torch.cat([jv, vals], 2)
+                if tokens is not None or text is not None:
+                    ones = lambda n: torch.ones(B, n, dtype=torch.bool)  # noqa: E731
+                    mask = torch.cat([ones(jk.shape[2]) if text is None else text,
+                                      ones(W * S) if tokens is None else tokens], 1)
+            img = attention(wire(q[:, qh, sl(x)], x), keys, vals, SCALE, mask)
+            slot = img if joint is None else torch.cat([img, attention(joint[0][:, qh], keys, vals, SCALE, mask)], 2)
+            if machine[x] != a:  # one wire slot: the image rows, then the text rows
+                img_t = (slot[:, :, :S], slot[:, :, S:])
+                flat = fp8_round_trip(torch.cat([t.flatten() for t in img_t]))
+                slot = torch.cat([flat[:img.numel()].view(img.shape),
+                                  flat[img.numel():].view(img_t[1].shape)], 2)
+            rows.append(slot)
+        o = torch.cat(rows, 1)  # [B, H, S + Tj, D], image rows first
+        if joint is not None and where == "front":
+            o = torch.cat([o[:, :, S:], o[:, :, :S]], 2)
+        out.append(o)
+    return out
+
+
+def run_torus(T: int, U: int, R: int, *, Tj: int = 0, where: str = "front", masked: bool = False,
+              kv_heads: int | None = None, fp8: bool = False, launches: str | None = "ring",
+              land: str = "wait", planned: bool = False, calls: int = 1, seed: int = 0):
+    """Every rank's outputs (``calls`` calls each), the reference rows, the fabric and each
+    rank's communicator. ``planned``: through the strategy's plans (``__call__``, the real
+    kernels), else its ``layer`` (the kernels the caller put in place)."""
+    mesh, W = make_mesh(T, U, R), T * U * R
+    H = 2 * T * U
+    g = torch.Generator().manual_seed(seed + 1000 * T + 100 * U + 10 * R + Tj)
+    Hkv = H if kv_heads is None else kv_heads
+    q, k, v = (torch.randn(B, n, W * S, D, generator=g, dtype=torch.float64) for n in (H, Hkv, Hkv))
+    jq, jk, jv = (torch.randn(B, n, Tj, D, generator=g, dtype=torch.float64) for n in (H, Hkv, Hkv))
+    joint = Joint(jq, jk, jv, where) if Tj else None
+    tokens = text = key_mask = None
+    if masked:
+        tokens = torch.rand(B, W * S, generator=g) < 0.6
+        tokens[:, 0] = True  # every query keeps a key
+        text = (torch.rand(B, Tj, generator=g) < 0.6) if Tj else None
+        key_mask = KeyMask(tokens, S, text)
+    options = {"fp8_comms": fp8} | ({} if launches is None else {"launches": launches})
+    fabric = Fabric(W, [mesh.topology.node_of(x) for x in range(W)], land=land)
+    comms = [None] * W
+
+    def rank_main(x: int):
+        comm = comms[x] = fabric.comm(x)
+        a = SimpleNamespace(two_sided=lambda: comm, groups=SPGroups(mesh, x), rank=x, mesh=mesh,
+                            options=options)
+        attn = torus.build_torus(a)
+        run = attn if planned else attn.layer
+        mine = slice(x * S, (x + 1) * S)
+        return [run(q[:, :, mine], k[:, :, mine], v[:, :, mine], joint, SCALE, key_mask).clone()
+                for _ in range(calls)]
+
+    outs = fabric.run(rank_main)
+    if fp8:
+        refs = fp8_reference(mesh, q, k, v, (jq, jk, jv) if Tj else None, where, tokens, text)
+    else:
+        refs = [rank_rows(q, k, v, x, W, (jq, jk, jv), where, SCALE, tokens, text) for x in range(W)]
+    return outs, refs, fabric, comms
+
+
+def errors(outs, refs) -> list[float]:
+    return [max_abs_err(o, r) if o.shape == r.shape else math.inf
+            for os, r in zip(outs, refs) for o in os]
+
+
+def posted(fabric: Fabric, x: int) -> list[tuple]:
+    """Rank x's exchanges that moved something: (queue, sends, recvs)."""
+    return [(qu, s, r) for y, qu, _, s, r in fabric.log if y == x and (s or r)]
+
+
+def transfers(ops) -> list[tuple]:
+    return [(t.queue, t.sends, t.recvs) for t in ops if isinstance(t, Transfer)]
+
+
+CASES = [  # (T, U, R), launches, Tj, where, masked, kv_heads, land
+    (m, launches, 2 if i % 3 else 0, "front" if i % 2 else "rear", i % 4 in (1, 2),
+     1 if i % 4 == 3 else None, "post" if (i + (launches == "stage")) % 2 else "wait")
+    for i, m in enumerate(MESHES) for launches in ("ring", "stage")]
+
+
+@pytest.mark.parametrize("mesh,launches,Tj,where,masked,kv_heads,land", CASES)
+def test_torus_over_the_two_sided_transport_matches_softmax_attention(
+        fp64_kernel, mesh, launches, Tj, where, masked, kv_heads, land):
+    """Every rank's rows against the fp64 reference; without GQA, each rank's posted
+    exchanges are the cost model's transfers, in order, and its byte counters their sums."""
+    T, U, R = mesh
+    outs, refs, fabric, comms = run_torus(T, U, R, Tj=Tj, where=where, masked=masked,
+                                          kv_heads=kv_heads, launches=launches, land=land)
+    assert max(errors(outs, refs)) <= 1e-10, errors(outs, refs)
+    if kv_heads is not None:
+        return
+    m = make_mesh(T, U, R)
+    for x, c in enumerate(comms):
+        ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 2 * T * U, D, Tj, itemsize=8)), launches)
+        assert posted(fabric, x) == transfers(ops), x
+        other = {y for y in range(m.world_size) if m.topology.node_of(y) != m.topology.node_of(x)}
+        assert (c.counter.inter_node_bytes, c.counter.intra_node_bytes) == (
+            sent_bytes(ops, other), sent_bytes(ops) - sent_bytes(ops, other)), x
+        n = counts(ops)
+        assert (c.counter.messages, c.counter.grouped_calls) == (n["transfers"], n["grouped_exchanges"]), x
+
+
+FP8_CASES = [((2, 1, 2), "ring", 2, True, None), ((2, 2, 1), "stage", 2, True, None),
+             ((3, 2, 1), "ring", 0, False, None), ((3, 1, 2), "stage", 1, True, None),
+             ((2, 2, 2), "ring", 2, False, 1), ((3, 2, 2), "stage", 2, True, 2)]
+
+
+@pytest.mark.parametrize("mesh,launches,Tj,masked,kv_heads", FP8_CASES)
+def test_fp8_comms_move_wire_slots_across_machines(fp64_kernel, mesh, launches, Tj, masked, kv_heads):
+    """What crosses machines arrives as the fp8 wire format gives it (the rest exact); the
+    bytes across machines are the wire slots' (fp8 payload + one fp32 scale per slot)."""
+    T, U, R = mesh
+    outs, refs, fabric, comms = run_torus(T, U, R, Tj=Tj, masked=masked, kv_heads=kv_heads,
+                                          fp8=True, launches=launches, where="rear" if T == 3 else "front")
+    assert max(errors(outs, refs)) <= 1e-9, errors(outs, refs)
+    G, H = T * U, 2 * T * U
+    hk = math.lcm(kv_heads or H, G) // G
+    h = H // G
+    # per machine stage k = 1..T-1, to U peers: Q, K, V slots and an output slot (+4 bytes each)
+    want = (T - 1) * U * ((B * h * S * D + 4) + 2 * (B * hk * S * D + 4) + (B * h * (S + Tj) * D + 4))
+    assert {c.counter.inter_node_bytes for c in comms} == {want}
+
+
+@pytest.mark.parametrize("launches", ["ring", "stage"])
+def test_plans_over_the_two_sided_transport_replay_its_exchanges(launches):
+    """Through the plans (compiled at the first call, replayed at the second; the real
+    kernels, fp64 inputs): both calls match the reference."""
+    outs, refs, fabric, comms = run_torus(2, 2, 2, Tj=2, masked=True, launches=launches,
+                                          planned=True, calls=2)
+    assert max(errors(outs, refs)) <= 1e-5, errors(outs, refs)
+    assert len({len(posted(fabric, x)) for x in range(8)}) == 1
+
+
+def test_launches_follow_the_device_without_the_option(fp64_kernel):
+    """No ``launches`` option on CPU tensors: the ring schedule (one exchange per ring step on
+    the ``ring`` queue, no all-gather)."""
+    outs, refs, fabric, _ = run_torus(2, 1, 2, launches=None)
+    assert max(errors(outs, refs)) <= 1e-10
+    ring = [w for _, qu, w, _, _ in fabric.log if qu == "ring"]
+    assert ring and all("ring step" in w for w in ring), ring
+
+
+# --- the cost model's ops, counted by hand -------------------------------------------------
+
+def test_two_sided_ops_of_a_2x2_layer_with_text():
+    """T = 2, U = 2, R = 1, rank 0, ring launches: B = 1, S = 3, H = 4 (h = 1), D = 2, Tj = 1,
+    2-byte elements: a slot [1, 1, 3, 2] is 12 bytes, an output slot (3 + 1 rows) 16."""
+    m = make_mesh(2, 2, 1)
+    p = lambda a, b: m.rank_of(a, b, 0)  # noqa: E731
+    assert m.coords(0) == (0, 0, 0)
+    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 4, 2, 1, itemsize=2)), "ring")
+    intra, inter = lambda n: ((p(0, 1), n),), lambda n: ((p(1, 0), n), (p(1, 1), n))  # noqa: E731
+    X = lambda i, pairs: Transfer(f"exchange{i}", "exchange", "other", pairs, pairs)  # noqa: E731
+    a = lambda q, kv, fin=False: Attend(q, kv, 1, fin)  # noqa: E731
+    assert ops == [
+        Copy(144),  # split_heads of Q, K, V: 3 x T U slots
+        Copy(12), X(1, intra(12)), Copy(12), X(2, intra(12)), Copy(12), X(3, intra(12)),
+        Wait(("exchange1", "exchange2", "exchange3")),
+        X(4, inter(12)), X(5, inter(12)), X(6, inter(12)),  # Pull-Q stage 2, Pull-KV stage 1 (K, V)
+        Copy(48), Copy(48), Copy(48), Copy(48), Copy(16),  # running states: 2 x 2 chunks, the text
+        a((3, 3, 1), (1,)), a((3, 3, 1), (3, 3)),  # Pull-Q stage 1: text K/V, my block
+        Wait(("exchange4",)), a((3, 3), (1,)), a((3, 3), (3, 3)),  # Pull-Q stage 2
+        Wait(("exchange5", "exchange6")),  # Pull-KV stage 1
+        a((3, 3, 1), (3, 3)), a((1,), (), True), a((3, 3), (), True),  # machine 1's queries, text
+        X(7, inter(16)),  # Push-O to machine 1
+        a((3, 3), (3, 3)), a((3, 3), (), True), Copy(16), X(8, intra(16)),  # Push-O, mine
+        Wait(("exchange7", "exchange8")),
+        Copy(64)]  # gather_output: T U output slots
+    assert counts(ops) == {"transfers": 12, "grouped_exchanges": 8, "barriers": 0, "attend_calls": 9}
+    assert sent_bytes(ops, {p(1, 0), p(1, 1)}) == 3 * 24 + 32 and sent_bytes(ops) == 104 + 3 * 12 + 16
+
+
+def test_two_sided_ops_of_a_ring_of_two_with_stage_launches():
+    """T = 2, U = 1, R = 2, rank 0, stage launches, no text: B = 1, S = 3, H = 2 (h = 1), D = 2,
+    2-byte elements: 12-byte slots; each machine's block gathered once over the ring (K, V)."""
+    m = make_mesh(2, 1, 2)
+    assert m.coords(0) == (0, 0, 0)
+    peer, ring = m.rank_of(1, 0, 0), m.rank_of(0, 0, 1)
+    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 2, 2, 0, itemsize=2)), "stage")
+    X = lambda i, pairs, qu="other": Transfer(f"exchange{i}", "exchange", qu, pairs, pairs)  # noqa: E731
+    a = lambda q, fin=False: Attend(q, (3, 3), 1, fin)  # noqa: E731
+    kv = ((ring, 12), (ring, 12))
+    assert ops == [
+        Copy(72), Copy(12), Copy(12), Copy(12),  # Q, K, V of my machine: all mine (U = 1)
+        X(1, ((peer, 12),)), X(2, ((peer, 12),)), X(3, ((peer, 12),)),
+        Copy(48), Copy(48),
+        X(4, kv, "ring"), Wait(("exchange4",)), a((3,)),  # my block from my ring peer
+        Wait(("exchange1",)), a((3,)),
+        Wait(("exchange2", "exchange3")),
+        X(5, kv, "ring"), Wait(("exchange5",)), a((3,), True),
+        X(6, ((peer, 12),)),
+        a((3,), True), Copy(12),
+        Wait(("exchange6",)),
+        Copy(24)]
+
+
+def test_the_launches_and_fp8_options_are_checked_at_build():
+    m = make_mesh(2, 1, 1)
+    a = lambda options: SimpleNamespace(two_sided=lambda: Fabric(2).comm(0), groups=SPGroups(m, 0),  # noqa: E731
+                                        rank=0, mesh=m, options=options)
+    with pytest.raises(ValueError, match="'launches' must be one of .*'fused'"):
+        torus.build_torus(a({"launches": "fused"}))
+    with pytest.raises(TypeError, match="fp8_comms"):
+        torus.build_torus(a({"fp8_comms": "yes"}))
+    for value in (None, "ring", "stage"):
+        assert torus.build_torus(a({} if value is None else {"launches": value})).launches == value
