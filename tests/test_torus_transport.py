@@ -57,7 +57,8 @@ def fp8_reference(mesh: Mesh, q, k, v, joint, where, tokens, text) -> list[torch
     machines round-tripped through fp8 (K/V repeated to ``lcm(H_kv, T U)`` heads first), its
     output slot (image rows, then text rows) round-tripped where it returns to another machine."""
     T, U, W = mesh.torus, mesh.ulysses_intra, mesh.world_size
-    G, H = T * U, q.shape[1]
+    G, (B, H, L, _) = T * U, q.shape
+    S = L // W
     f = math.lcm(k.shape[1], G) // k.shape[1]
     k, v = k.repeat_interleave(f, 1), v.repeat_interleave(f, 1)
     h, hk = H // G, k.shape[1] // G
@@ -91,29 +92,47 @@ def fp8_reference(mesh: Mesh, q, k, v, joint, where, tokens, text) -> list[torch
         o = torch.cat(rows, 1)  # [B, H, S + Tj, D], image rows first
         if joint is not None and where == "front":
             o = torch.cat([o[:, :, S:], o[:, :, :S]], 2)
-        out.append(o)
+        out.append(o.to(q.dtype))
     return out
 
 
-def run_torus(T: int, U: int, R: int, *, Tj: int = 0, where: str = "front", masked: bool = False,
-              kv_heads: int | None = None, fp8: bool = False, launches: str | None = "ring",
-              land: str = "wait", planned: bool = False, calls: int = 1, seed: int = 0):
-    """Every rank's outputs (``calls`` calls each), the reference rows, the fabric and each
-    rank's communicator. ``planned``: through the strategy's plans (``__call__``, the real
-    kernels), else its ``layer`` (the kernels the caller put in place)."""
-    mesh, W = make_mesh(T, U, R), T * U * R
-    H = 2 * T * U
-    g = torch.Generator().manual_seed(seed + 1000 * T + 100 * U + 10 * R + Tj)
+def layer_inputs(mesh: Mesh, *, Tj: int = 0, where: str = "front", masked: bool = False,
+                 kv_heads: int | None = None, fp8: bool = False, tokens: int = S, batch: int = B,
+                 dtype: torch.dtype = torch.float64, seed: int = 0):
+    """One call's global inputs (``tokens`` per rank, ``2 T U`` query heads, ``kv_heads`` K/V
+    heads, ``Tj`` text tokens, a random key mask of image and text keys) and every rank's
+    reference rows (``fp8``: as the fp8 wire gives them)."""
+    W, H = mesh.world_size, 2 * mesh.torus * mesh.ulysses_intra
+    g = torch.Generator().manual_seed(seed + 7 * W + 3 * H + Tj)
     Hkv = H if kv_heads is None else kv_heads
-    q, k, v = (torch.randn(B, n, W * S, D, generator=g, dtype=torch.float64) for n in (H, Hkv, Hkv))
-    jq, jk, jv = (torch.randn(B, n, Tj, D, generator=g, dtype=torch.float64) for n in (H, Hkv, Hkv))
+    new = lambda n, L: torch.randn(batch, n, L, D, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v = new(H, W * tokens), new(Hkv, W * tokens), new(Hkv, W * tokens)
+    jq, jk, jv = new(H, Tj), new(Hkv, Tj), new(Hkv, Tj)
     joint = Joint(jq, jk, jv, where) if Tj else None
-    tokens = text = key_mask = None
+    mask = text = key_mask = None
     if masked:
-        tokens = torch.rand(B, W * S, generator=g) < 0.6
-        tokens[:, 0] = True  # every query keeps a key
-        text = (torch.rand(B, Tj, generator=g) < 0.6) if Tj else None
-        key_mask = KeyMask(tokens, S, text)
+        mask = torch.rand(batch, W * tokens, generator=g) < 0.6
+        mask[:, 0] = True  # every query keeps a key
+        text = (torch.rand(batch, Tj, generator=g) < 0.6) if Tj else None
+        key_mask = KeyMask(mask, tokens, text)
+    if fp8:
+        refs = fp8_reference(mesh, q, k, v, (jq, jk, jv) if Tj else None, where, mask, text)
+    else:
+        refs = [rank_rows(q, k, v, x, W, (jq, jk, jv), where, SCALE, mask, text).to(dtype)
+                for x in range(W)]
+    return (q, k, v, joint, key_mask, tokens), refs
+
+
+def run_torus(T: int, U: int, R: int, *, launches: str | None = "ring", land: str = "wait",
+              planned: bool = False, fp8: bool = False, calls: list[dict] | None = None,
+              repeat: int = 1, **one):
+    """Run one ``torus`` strategy per rank through ``calls`` (keyword arguments of
+    ``layer_inputs`` each; default: ``one``), each ``repeat`` times; return each rank's outputs
+    (call after call), the references (alike), the fabric and each rank's communicator.
+    ``planned``: through the strategy's plans (``__call__``, the real kernels), else its
+    ``layer`` (the kernels the caller put in place)."""
+    mesh, W = make_mesh(T, U, R), T * U * R
+    made = [layer_inputs(mesh, fp8=fp8, **c) for c in (calls or [one])]
     options = {"fp8_comms": fp8} | ({} if launches is None else {"launches": launches})
     fabric = Fabric(W, [mesh.topology.node_of(x) for x in range(W)], land=land)
     comms = [None] * W
@@ -124,21 +143,21 @@ def run_torus(T: int, U: int, R: int, *, Tj: int = 0, where: str = "front", mask
                             options=options)
         attn = torus.build_torus(a)
         run = attn if planned else attn.layer
-        mine = slice(x * S, (x + 1) * S)
-        return [run(q[:, :, mine], k[:, :, mine], v[:, :, mine], joint, SCALE, key_mask).clone()
-                for _ in range(calls)]
+        outs = []
+        for (q, k, v, joint, key_mask, n), _ in made:
+            mine = slice(x * n, (x + 1) * n)
+            outs += [run(q[:, :, mine], k[:, :, mine], v[:, :, mine], joint, SCALE, key_mask).clone()
+                     for _ in range(repeat)]
+        return outs
 
     outs = fabric.run(rank_main)
-    if fp8:
-        refs = fp8_reference(mesh, q, k, v, (jq, jk, jv) if Tj else None, where, tokens, text)
-    else:
-        refs = [rank_rows(q, k, v, x, W, (jq, jk, jv), where, SCALE, tokens, text) for x in range(W)]
+    refs = [[refs[x] for _, refs in made for _ in range(repeat)] for x in range(W)]
     return outs, refs, fabric, comms
 
 
 def errors(outs, refs) -> list[float]:
-    return [max_abs_err(o, r) if o.shape == r.shape else math.inf
-            for os, r in zip(outs, refs) for o in os]
+    return [max_abs_err(o, r) if o.shape == r.shape and o.dtype == r.dtype else math.inf
+            for os, rs in zip(outs, refs) for o, r in zip(os, rs, strict=True)]
 
 
 def posted(fabric: Fabric, x: int) -> list[tuple]:
@@ -178,6 +197,21 @@ def test_torus_over_the_two_sided_transport_matches_softmax_attention(
         assert (c.counter.messages, c.counter.grouped_calls) == (n["transfers"], n["grouped_exchanges"]), x
 
 
+CHANGING = [dict(Tj=2, masked=True), dict(seed=1), dict(Tj=3, where="rear", seed=2),
+            dict(Tj=2, kv_heads=1, seed=3), dict(Tj=2, tokens=3, masked=True, seed=4),
+            dict(Tj=2, dtype=torch.float32, seed=5), dict(Tj=1, batch=1, seed=6), dict(Tj=2, seed=7)]
+
+
+@pytest.mark.parametrize("mesh,launches,land", [((2, 1, 2), "ring", "wait"), ((2, 2, 2), "stage", "post"),
+                                                ((3, 1, 2), "stage", "wait")])
+def test_one_transport_serves_changing_inputs(fp64_kernel, mesh, launches, land):
+    """One strategy per rank, called with another text length, placement, key mask, K/V head
+    count, sequence, dtype or batch each time, then as the first call again: every output
+    matches the reference (a buffer or a gathered block of an earlier call never leaks)."""
+    outs, refs, _, _ = run_torus(*mesh, launches=launches, land=land, calls=CHANGING)
+    assert max(errors(outs, refs)) <= 1e-6, errors(outs, refs)
+
+
 FP8_CASES = [((2, 1, 2), "ring", 2, True, None), ((2, 2, 1), "stage", 2, True, None),
              ((3, 2, 1), "ring", 0, False, None), ((3, 1, 2), "stage", 1, True, None),
              ((2, 2, 2), "ring", 2, False, 1), ((3, 2, 2), "stage", 2, True, 2)]
@@ -204,7 +238,7 @@ def test_plans_over_the_two_sided_transport_replay_its_exchanges(launches):
     """Through the plans (compiled at the first call, replayed at the second; the real
     kernels, fp64 inputs): both calls match the reference."""
     outs, refs, fabric, comms = run_torus(2, 2, 2, Tj=2, masked=True, launches=launches,
-                                          planned=True, calls=2)
+                                          planned=True, repeat=2)
     assert max(errors(outs, refs)) <= 1e-5, errors(outs, refs)
     assert len({len(posted(fabric, x)) for x in range(8)}) == 1
 

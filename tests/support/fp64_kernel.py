@@ -22,7 +22,7 @@ def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, ke
     """``kernels.attend`` in fp64: online softmax over the K/V chunks [B, h, Lk_j, D] joined;
     ``key_masks[j]``: bool [B, Lk_j] (True = attend) or None."""
     if kv_chunks:
-        k, v = (torch.cat(x, 2) for x in zip(*kv_chunks))  # [B, h_kv, sum Lk_j, D]
+        k, v = (torch.cat(x, 2).double() for x in zip(*kv_chunks))  # [B, h_kv, sum Lk_j, D]
         f = q_chunks[0].shape[1] // k.shape[1]  # GQA: query head i reads K/V head i // f
         k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
         keep = None
@@ -31,7 +31,7 @@ def attend64(q_chunks, kv_chunks, states, *, scale, finalize=False, out=None, ke
             keep = torch.cat([torch.ones(k.shape[0], c.shape[2], dtype=torch.bool) if m is None else m
                               for m, (c, _) in zip(key_masks, kv_chunks)], 1)  # [B, sum Lk_j]
         for q, s in zip(q_chunks, states):
-            p = q @ k.transpose(-1, -2) * scale  # [B, h, Lq, Lk]
+            p = q.double() @ k.transpose(-1, -2) * scale  # [B, h, Lq, Lk]
             if keep is not None:
                 p = p.masked_fill(~keep[:, None, None, :], -math.inf)
             m = torch.maximum(s.m, p.amax(-1))
