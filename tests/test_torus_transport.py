@@ -169,10 +169,11 @@ def transfers(ops) -> list[tuple]:
     return [(t.queue, t.sends, t.recvs) for t in ops if isinstance(t, Transfer)]
 
 
-CASES = [  # (T, U, R), launches, Tj, where, masked, kv_heads, land
+CASES = [  # (T, U, R), launches, Tj, where, masked, kv_heads, land; j = 2 i (+ 1 for stage)
     (m, launches, 2 if i % 3 else 0, "front" if i % 2 else "rear", i % 4 in (1, 2),
-     1 if i % 4 == 3 else None, "post" if (i + (launches == "stage")) % 2 else "wait")
-    for i, m in enumerate(MESHES) for launches in ("ring", "stage")]
+     1 if j % 5 == 4 else None, "post" if (i + (launches == "stage")) % 2 else "wait")
+    for i, m in enumerate(MESHES) for launches in ("ring", "stage")
+    for j in [2 * i + (launches == "stage")]]
 
 
 @pytest.mark.parametrize("mesh,launches,Tj,where,masked,kv_heads,land", CASES)
@@ -184,6 +185,8 @@ def test_torus_over_the_two_sided_transport_matches_softmax_attention(
     outs, refs, fabric, comms = run_torus(T, U, R, Tj=Tj, where=where, masked=masked,
                                           kv_heads=kv_heads, launches=launches, land=land)
     assert max(errors(outs, refs)) <= 1e-10, errors(outs, refs)
+    if R == 1:  # a ring of one calls nothing on the ring queue
+        assert not [e for e in fabric.log if e[1] == "ring"]
     if kv_heads is not None:
         return
     m = make_mesh(T, U, R)
@@ -208,7 +211,9 @@ def test_one_transport_serves_changing_inputs(fp64_kernel, mesh, launches, land)
     """One strategy per rank, called with another text length, placement, key mask, K/V head
     count, sequence, dtype or batch each time, then as the first call again: every output
     matches the reference (a buffer or a gathered block of an earlier call never leaks)."""
-    outs, refs, _, _ = run_torus(*mesh, launches=launches, land=land, calls=CHANGING)
+    T, U, _ = mesh  # and as many tokens per rank as query heads, with one K/V head
+    calls = [*CHANGING, dict(Tj=1, tokens=2 * T * U, kv_heads=1, seed=8)]
+    outs, refs, _, _ = run_torus(*mesh, launches=launches, land=land, calls=calls)
     assert max(errors(outs, refs)) <= 1e-6, errors(outs, refs)
 
 
@@ -255,31 +260,32 @@ def test_launches_follow_the_device_without_the_option(fp64_kernel):
 # --- the cost model's ops, counted by hand -------------------------------------------------
 
 def test_two_sided_ops_of_a_2x2_layer_with_text():
-    """T = 2, U = 2, R = 1, rank 0, ring launches: B = 1, S = 3, H = 4 (h = 1), D = 2, Tj = 1,
-    2-byte elements: a slot [1, 1, 3, 2] is 12 bytes, an output slot (3 + 1 rows) 16."""
+    """T = 2, U = 2, R = 1, rank 0, ring launches: B = 1, S = 3, H = 8 (h = 2), D = 2, Tj = 1,
+    2-byte elements: a slot [1, 2, 3, 2] is 24 bytes, an output slot (3 + 1 rows) 32, a
+    running state of 3 rows 4 * 2 * 3 * (2 + 2) = 96 bytes, of the text row 32."""
     m = make_mesh(2, 2, 1)
     p = lambda a, b: m.rank_of(a, b, 0)  # noqa: E731
     assert m.coords(0) == (0, 0, 0)
-    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 4, 2, 1, itemsize=2)), "ring")
+    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 8, 2, 1, itemsize=2)), "ring")
     intra, inter = lambda n: ((p(0, 1), n),), lambda n: ((p(1, 0), n), (p(1, 1), n))  # noqa: E731
     X = lambda i, pairs: Transfer(f"exchange{i}", "exchange", "other", pairs, pairs)  # noqa: E731
-    a = lambda q, kv, fin=False: Attend(q, kv, 1, fin)  # noqa: E731
+    a = lambda q, kv, fin=False: Attend(q, kv, 2, fin)  # noqa: E731
     assert ops == [
-        Copy(144),  # split_heads of Q, K, V: 3 x T U slots
-        Copy(12), X(1, intra(12)), Copy(12), X(2, intra(12)), Copy(12), X(3, intra(12)),
+        Copy(288),  # split_heads of Q, K, V: 3 x T U slots
+        Copy(24), X(1, intra(24)), Copy(24), X(2, intra(24)), Copy(24), X(3, intra(24)),
         Wait(("exchange1", "exchange2", "exchange3")),
-        X(4, inter(12)), X(5, inter(12)), X(6, inter(12)),  # Pull-Q stage 2, Pull-KV stage 1 (K, V)
-        Copy(48), Copy(48), Copy(48), Copy(48), Copy(16),  # running states: 2 x 2 chunks, the text
+        X(4, inter(24)), X(5, inter(24)), X(6, inter(24)),  # Pull-Q stage 2, Pull-KV stage 1 (K, V)
+        Copy(96), Copy(96), Copy(96), Copy(96), Copy(32),  # running states: 2 x 2 chunks, the text
         a((3, 3, 1), (1,)), a((3, 3, 1), (3, 3)),  # Pull-Q stage 1: text K/V, my block
         Wait(("exchange4",)), a((3, 3), (1,)), a((3, 3), (3, 3)),  # Pull-Q stage 2
         Wait(("exchange5", "exchange6")),  # Pull-KV stage 1
         a((3, 3, 1), (3, 3)), a((1,), (), True), a((3, 3), (), True),  # machine 1's queries, text
-        X(7, inter(16)),  # Push-O to machine 1
-        a((3, 3), (3, 3)), a((3, 3), (), True), Copy(16), X(8, intra(16)),  # Push-O, mine
+        X(7, inter(32)),  # Push-O to machine 1
+        a((3, 3), (3, 3)), a((3, 3), (), True), Copy(32), X(8, intra(32)),  # Push-O, mine
         Wait(("exchange7", "exchange8")),
-        Copy(64)]  # gather_output: T U output slots
+        Copy(128)]  # gather_output: T U output slots
     assert counts(ops) == {"transfers": 12, "grouped_exchanges": 8, "barriers": 0, "attend_calls": 9}
-    assert sent_bytes(ops, {p(1, 0), p(1, 1)}) == 3 * 24 + 32 and sent_bytes(ops) == 104 + 3 * 12 + 16
+    assert sent_bytes(ops, {p(1, 0), p(1, 1)}) == 3 * 48 + 64 and sent_bytes(ops) == 208 + 3 * 24 + 32
 
 
 def test_two_sided_ops_of_a_ring_of_two_with_stage_launches():
@@ -316,3 +322,54 @@ def test_the_launches_and_fp8_options_are_checked_at_build():
         torus.build_torus(a({"fp8_comms": "yes"}))
     for value in (None, "ring", "stage"):
         assert torus.build_torus(a({} if value is None else {"launches": value})).launches == value
+
+
+def storage_bytes(tree) -> int:
+    """Bytes of the distinct storages under a nest of dicts, tensors and ``Slots``."""
+    seen: dict[int, int] = {}
+
+    def walk(x):
+        if isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif x is not None and hasattr(x, "flat"):
+            walk({"flat": x.flat, "rows": x.rows, "text": x.text})
+    walk(tree)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mesh,launches,fp8,Tj", [((2, 2, 2), "stage", None, 2), ((1, 2, 1), "ring", True, 1),
+                                                  ((2, 1, 2), "stage", True, 0), ((3, 1, 1), "ring", False, 2)])
+def test_the_transport_holds_the_buffers_its_layout_needs(fp64_kernel, mesh, launches, fp8, Tj):
+    """``TwoSidedTorusIO`` built as ``build_torus`` builds it (``fp8``: None leaves the
+    constructor's default, off): after a call its buffers are exactly, in bytes, the output
+    slots O and Ob ([T, U] of B h (S + Tj) D; Q lives in O's image rows), K and V
+    [T, U, B, h_kv, S, D], the send copies of Q, K, V, the ring's gathered K/V [T, R - 1, U, ...]
+    (stage launches, R > 1) and the fp8 wire slots (T > 1: send and receive, payload + 4 bytes)."""
+    T, U, R = mesh
+    m, W = make_mesh(T, U, R), T * U * R
+    (q, k, v, joint, key_mask, _), refs = layer_inputs(m, Tj=Tj, kv_heads=1, fp8=bool(fp8) and T > 1)
+    fabric = Fabric(W, [m.topology.node_of(x) for x in range(W)])
+
+    def rank_main(x):
+        comm = fabric.comm(x)
+        io = torus.TwoSidedTorusIO(SPGroups(m, x), comm, x, *([] if fp8 is None else [fp8]))
+        attn = torus.TorusAttention(torus.SPEC, m, io, x, [comm], {"launches": launches})
+        mine = slice(x * S, (x + 1) * S)
+        return attn.layer(q[:, :, mine], k[:, :, mine], v[:, :, mine], joint, SCALE, key_mask), io
+
+    res = fabric.run(rank_main)
+    assert max(errors([[o] for o, _ in res], [[r] for r in refs])) <= 1e-9
+    G, H = T * U, 2 * T * U
+    h, hk, e = H // G, math.lcm(1, G) // G, 8  # one K/V head repeated to lcm(1, G) heads
+    img, kv, out = B * h * S * D, B * hk * S * D, B * h * (S + Tj) * D
+    want = G * e * (2 * out + 2 * kv + img + 2 * kv)
+    if launches == "stage" and R > 1:
+        want += 2 * T * (R - 1) * U * kv * e
+    if fp8 and T > 1:
+        want += 2 * G * ((img + 4) + 2 * (kv + 4) + (out + 4))
+    for _, io in res:
+        assert len(io._buffers) == 1 and storage_bytes(io._buffers) == want
