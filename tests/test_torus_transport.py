@@ -373,3 +373,16 @@ def test_the_transport_holds_the_buffers_its_layout_needs(fp64_kernel, mesh, lau
         want += 2 * G * ((img + 4) + 2 * (kv + 4) + (out + 4))
     for _, io in res:
         assert len(io._buffers) == 1 and storage_bytes(io._buffers) == want
+
+
+def test_torus_ops_call_the_ring_barrier_of_every_pull_kv_stage():
+    """T = 3, R = 2, rank 0 over the one-sided ops (whose ring barrier is a sync of the ring
+    group): one sync per Pull-KV stage (k = 1, 2), each right after that stage's K/V wait."""
+    from xfuser_swiftfusion.strategies.ops import Barrier
+    from xfuser_swiftfusion.strategies.swiftfusion import OneSidedTorusOps
+    m = make_mesh(3, 1, 2)
+    ring_group = (0, m.rank_of(0, 0, 1))
+    for launches in ("ring", "stage"):
+        ops = torus_ops(OneSidedTorusOps(m, 0, Shape(1, 2, 6, 2)), launches)
+        syncs = [i for i, op in enumerate(ops) if op == Barrier(ring_group, quiet=False)]
+        assert len(syncs) == 2 and all(isinstance(ops[i - 1], Wait) for i in syncs), launches
