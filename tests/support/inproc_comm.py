@@ -109,12 +109,15 @@ class Fabric:
             raise CommTimeout(f"{doing} did not complete within {self.timeout_s:.1f} s")
         self.cond.wait(min(left, 1.0))
 
-    def run(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
-        """``fn(rank)`` on every rank, one thread each; their results. The first error (the
-        cause, not the peers' failures it set off) is raised here."""
+    def run(self, fn: Callable[[int], Any], timeout_s: float | None = None,
+            ranks: list[int] | None = None) -> list[Any]:
+        """``fn(rank)`` on every rank (or on ``ranks``, the others idle), one thread each; their
+        results, by rank. The first error (the cause, not the peers' failures it set off) is
+        raised here."""
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         results: list[Any] = [None] * self.world_size
         with self.cond:
-            self.alive = set(range(self.world_size))
+            self.alive = set(ranks)
 
         def main(rank: int) -> None:
             try:
@@ -129,14 +132,14 @@ class Fabric:
                     self.changed()
 
         threads = [threading.Thread(target=main, args=(r,), daemon=True, name=f"inproc-rank-{r}")
-                   for r in range(self.world_size)]
+                   for r in ranks]
         for t in threads:
             t.start()
         deadline = time.monotonic() + (timeout_s or 2 * self.timeout_s)
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.0))
         if any(t.is_alive() for t in threads):
-            raise CommTimeout(f"ranks {[r for r, t in enumerate(threads) if t.is_alive()]} still run")
+            raise CommTimeout(f"ranks {[r for r, t in zip(ranks, threads) if t.is_alive()]} still run")
         if self.failed:
             causes = [e for e in self.failed.values() if not isinstance(e, PeerFailure)]
             raise (causes or list(self.failed.values()))[0]
