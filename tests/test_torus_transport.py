@@ -201,7 +201,7 @@ def test_torus_over_the_two_sided_transport_matches_softmax_attention(
 
 
 CHANGING = [dict(Tj=2, masked=True), dict(seed=1), dict(Tj=3, where="rear", seed=2),
-            dict(Tj=2, kv_heads=1, seed=3), dict(Tj=2, tokens=3, masked=True, seed=4),
+            dict(Tj=2, kv_heads=1, seed=3), dict(Tj=2, seed=9), dict(Tj=2, tokens=3, masked=True, seed=4),
             dict(Tj=2, dtype=torch.float32, seed=5), dict(Tj=1, batch=1, seed=6), dict(Tj=2, seed=7)]
 
 
