@@ -13,8 +13,6 @@ of the two. Both count on nothing from the code under test.
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ import torch
 from xfuser_swiftfusion.kernels import AttnState, new_state
 from xfuser_swiftfusion.strategies.ops import Attend, Program, Transfer, Wait
 from xfuser_swiftfusion.strategies.ring import PassRing, PullRing, RingStep, ring_ops
+from support.inproc_comm import Fabric
 from support.reference import attention, max_abs_err
 
 B, H, S, D, N = 1, 4, 3, 8, 2  # N slots of S tokens per block
@@ -43,27 +42,6 @@ class _Landing:
 
     def wait(self) -> None:
         self._land()
-
-
-class MailboxComm:
-    """Two-sided ``exchange`` between threads of one process: ``(sender, receiver)`` queues."""
-
-    def __init__(self, me: int, boxes: dict, eager: bool = False) -> None:
-        self.me, self.boxes, self.eager = me, boxes, eager
-        self.exchanges = []  # (send peers, receive peers)
-
-    def exchange(self, sends, recvs, *, what, queue):
-        assert queue == "ring", queue
-        self.exchanges.append(([p for _, p in sends], [p for _, p in recvs]))
-        for t, peer in sends:
-            self.boxes[self.me, peer].put(t.clone())  # the tensor as posted
-
-        def take(peer):
-            try:
-                return self.boxes[peer, self.me].get(timeout=TIMEOUT_S)
-            except Exception:
-                raise TimeoutError(f"rank {self.me}: no message from rank {peer} ({what})") from None
-        return _Landing([(d, lambda p=peer: take(p)) for d, peer in recvs], self.eager)
 
 
 class PeerComm:
@@ -113,29 +91,22 @@ def run_ring(form, R: int, hkv: int, packed: bool, eager: bool, seed: int = 0):
     for r in range(R):
         kb, vb = block_of(k, r), block_of(v, r)
         own[ranks[r]] = (torch.stack([kb, vb], 1),) if packed else (kb, vb)
-    boxes = {(a, b): queue.Queue() for a in ranks for b in ranks}
-    outs, rings, errors = [None] * R, [None] * R, []
+    fabric = Fabric(ranks[-1] + 1, land="post" if eager else "wait", timeout_s=TIMEOUT_S)
+    rings = [None] * R
 
-    def rank_main(r: int) -> None:
-        try:
-            comm = (MailboxComm(ranks[r], boxes, eager) if form is PassRing
-                    else PeerComm(ranks[r], own, eager))
-            ring = rings[r] = form(comm, ranks, r)
-            outs[r] = []
-            for _ in range(2):  # the second call reuses the receive buffers
-                states = [new_state(x) for x in q[r]]
-                ring(q[r], states, *own[ranks[r]], scale=D ** -0.5, what="test", masks=masks_of(mask))
-                outs[r] += [normalised(s) for s in states]
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+    def rank_main(x: int):
+        r = ranks.index(x)
+        comm = fabric.comm(x) if form is PassRing else PeerComm(x, own, eager)
+        ring = rings[r] = form(comm, ranks, r)
+        outs = []
+        for _ in range(2):  # the second call reuses the receive buffers
+            states = [new_state(x) for x in q[r]]
+            ring(q[r], states, *own[x], scale=D ** -0.5, what="test", masks=masks_of(mask))
+            outs += [normalised(s) for s in states]
+        return outs
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(R)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    assert not errors, errors
-    assert all(not t.is_alive() for t in threads), "a ring thread hung"
+    outs = fabric.run(rank_main, ranks=ranks)[ranks[0]:]
+    assert all(qu == "ring" for _, qu, _, _, _ in fabric.log)
     refs = [[attention(x, k, v, D ** -0.5, mask) for x in q[r]] for r in range(R)]
     return outs, [x * 2 for x in refs], rings
 
@@ -156,21 +127,17 @@ def test_ring_attends_every_block_under_its_own_mask(form, R, hkv, packed, eager
 def test_pass_ring_sends_next_and_receives_previous_on_every_step():
     R, ranks = 3, (10, 11, 12)
     q, k, v, mask = inputs(R, H, 1)
-    comms = []
-    boxes = {(a, b): queue.Queue() for a in ranks for b in ranks}
+    fabric = Fabric(13)
 
-    def rank_main(r):
-        comm = MailboxComm(ranks[r], boxes)
-        comms.append((r, comm))
-        PassRing(comm, ranks, r)([q[r][0]], [new_state(q[r][0])], block_of(k, r), block_of(v, r),
-                                 scale=1.0, what="test")
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(R)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
+    def rank_main(x):
+        r = ranks.index(x)
+        PassRing(fabric.comm(x), ranks, r)([q[r][0]], [new_state(q[r][0])], block_of(k, r),
+                                           block_of(v, r), scale=1.0, what="test")
+    fabric.run(rank_main, ranks=ranks)
+    exchanges = {r: [([p for p, _ in s], [p for p, _ in rv]) for y, qu, _, s, rv in fabric.log
+                     if y == x and qu == "ring"] for r, x in enumerate(ranks)}
     expected = {0: ([11, 11], [12, 12]), 1: ([12, 12], [10, 10]), 2: ([10, 10], [11, 11])}
-    assert {r: c.exchanges for r, c in comms} == {r: [e] * (R - 1) for r, e in expected.items()}
+    assert exchanges == {r: [e] * (R - 1) for r, e in expected.items()}
 
 
 def test_a_ring_of_one_allocates_no_receive_buffers():
