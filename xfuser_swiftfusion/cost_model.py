@@ -18,6 +18,11 @@ Zero-padded heads (``mesh.torus_mesh``, ``strategies/padded.py``): a strategy th
 Torus schedule, at the default degree, on a mesh that is not torus-ready runs on ``H'`` heads
 as ``init_sequence_parallel`` runs it (unless ``pad_heads=False``): the programs use ``H'``
 (compute and bytes), and ``Prediction.heads`` is ``H'``.
+
+K/V pieces (``strategies/torus.py``, option ``kv_pieces`` P): ``candidates`` predicts each
+strategy whose spec takes the option at P = 1 and, where the mesh has a torus degree T > 1,
+at P in ``KV_PIECES`` up to the tokens per GPU (``Prediction.options``: what its child is
+built with); a P the caller pins is the only one predicted. Ties go to fewer pieces.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from .timeline import simulate
 from .topology import Topology, TopologyError
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+KV_PIECES = (2, 4)  # the pieces P > 1 ``candidates`` tries (module docstring)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,17 @@ class Prediction:
     host_s: float = 0.0   # when the slowest rank's host finished issuing its calls
     host_bound: bool = False  # its host runs ahead of the device (GPU) and issues the calls
     # slower than the device computes them: the device waits for the host
+    options: dict = field(default_factory=dict)  # the program options it runs with (kv_pieces)
+
+    @property
+    def pieces(self) -> int:
+        """``kv_pieces`` P it runs with (1: none)."""
+        return int(self.options.get("kv_pieces", 1))
+
+    @property
+    def label(self) -> str:
+        """The strategy's name, with ``[P=..]`` where it runs K/V pieces."""
+        return self.strategy + (f"[P={self.pieces}]" if self.pieces != 1 else "")
 
     @property
     def exposed_comm_s(self) -> float:
@@ -114,11 +131,12 @@ def predict(strategy: str, topology: Topology, workload: Workload, profile: Hard
     res = simulate(programs(runs, mesh, w, prof.launches, options), topology, prof, w.dtype, w.head_dim)
     x = max(range(len(res.finish_s)), key=res.finish_s.__getitem__)
     per_rank = counted_inter_node_elements(mesh, w.batch, w.seq_len, w.heads, w.head_dim, runs.ring)
+    taken = {k: v for k, v in (options or {}).items() if k in runs.program_options}
     return Prediction(spec.name, runs.name, mesh.ulysses, mesh.ring, spec.placement,
                       res.finish_s[x], res.compute_s[x], max(per_rank) * BYTES[w.dtype],
                       {"critical_rank": x, "fastest_rank_s": min(res.finish_s)},
                       w.heads, w.heads != workload.heads, res.host_s[x],
-                      not prof.host_waits and res.host_s[x] > res.compute_s[x])
+                      not prof.host_waits and res.host_s[x] > res.compute_s[x], taken)
 
 
 def inter_node_elements(strategy: str, topology: Topology, workload: Workload,
@@ -185,17 +203,18 @@ def host_topologies(nodes: int, gpus_per_node: int,
 
 
 def recommend_cut(options: Sequence[tuple[Topology, HardwareProfile]], workload: Workload,
-                  usp_ulysses: int | None = None, external: bool = True, pad_heads: bool = False
+                  usp_ulysses: int | None = None, external: bool = True, pad_heads: bool = False,
+                  kv_pieces: int | None = None
                   ) -> tuple[int, list[Prediction], list[list[Prediction]]]:
     """``recommend`` on every cut of ``options`` (``cut_options``): the index of the cut
     whose pick is fastest (ties, within 0.1 %, to the earlier: the coarser cut), every cut's
     pick and every cut's candidates. On the finer cuts only strategies on this package's own
     groups compete (``external=False``): groups built outside it (xFuser's, once per process)
-    follow the first cut, the one the context is built on."""
+    follow the first cut, the one the context is built on. ``kv_pieces``: as ``candidates``."""
     picks, cands = [], []
     for j, (topo, prof) in enumerate(options):
         ext = external and j == 0
-        c = [p for p in candidates(topo, workload, prof, pad_heads)
+        c = [p for p in candidates(topo, workload, prof, pad_heads, kv_pieces)
              if ext or not get(p.strategy).external_groups]
         cands.append(c)
         picks.append(recommend(topo, workload, prof, usp_ulysses, ext, pad_heads, cands=c))
@@ -210,10 +229,25 @@ def ulysses_degrees(topology: Topology, heads: int) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
+def piece_options(spec: StrategySpec, mesh: Mesh, workload: Workload,
+                  kv_pieces: int | None = None) -> list[dict]:
+    """The program options ``candidates`` predicts ``spec`` with on ``mesh``: ``{}`` (P = 1)
+    and, where the spec takes ``kv_pieces`` and the mesh's torus degree is > 1, each P in
+    ``KV_PIECES`` up to the tokens per GPU; ``kv_pieces`` (the caller's): that P only."""
+    if "kv_pieces" not in spec.program_options:
+        return [{}]
+    if kv_pieces is not None:
+        return [{"kv_pieces": kv_pieces}]
+    tokens = workload.seq_len // mesh.world_size
+    return [{}] + [{"kv_pieces": P} for P in KV_PIECES if mesh.torus > 1 and P <= tokens]
+
+
 def candidates(topology: Topology, workload: Workload, profile: HardwareProfile,
-               pad_heads: bool = False) -> list[Prediction]:
-    """Every (strategy, Ulysses degree) that runs as itself, predicted; with ``pad_heads``
-    also each Torus-schedule strategy on zero-padded heads where its default mesh needs them
+               pad_heads: bool = False, kv_pieces: int | None = None) -> list[Prediction]:
+    """Every (strategy, Ulysses degree, program options) that runs as itself, predicted: the
+    strategies that take ``kv_pieces`` at every P of ``piece_options`` (``kv_pieces``: the
+    caller's P, the only one; None: the model chooses); with ``pad_heads`` also each
+    Torus-schedule strategy on zero-padded heads where its default mesh needs them
     (``Prediction.heads`` > the workload's; its ``ulysses`` is the padded mesh's)."""
     out = []
     for deg in ulysses_degrees(topology, workload.heads):
@@ -222,31 +256,35 @@ def candidates(topology: Topology, workload: Workload, profile: HardwareProfile,
                 continue
             mesh, runs, _ = _mesh(spec, topology, workload, deg, False)
             if runs.name == spec.name:
-                out.append(predict(spec.name, topology, workload, profile, deg))
+                out += [predict(spec.name, topology, workload, profile, deg, options=o)
+                        for o in piece_options(spec, mesh, workload, kv_pieces)]
     if pad_heads:
         for spec in modelled():
             if spec.needs_torus and not refused(spec, profile):
-                pr = predict(spec.name, topology, workload, profile, None, True)
-                if pr.padded and pr.runs_as == spec.name:
-                    out.append(pr)
+                mesh, runs, w = _mesh(spec, topology, workload, None, True)
+                if w.heads != workload.heads and runs.name == spec.name:
+                    out += [predict(spec.name, topology, workload, profile, None, True, o)
+                            for o in piece_options(spec, mesh, w, kv_pieces)]
     return out
 
 
 def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
               usp_ulysses: int | None = None, external: bool = True,
-              pad_heads: bool = False, cands: list[Prediction] | None = None) -> Prediction:
+              pad_heads: bool = False, cands: list[Prediction] | None = None,
+              kv_pieces: int | None = None) -> Prediction:
     """The fastest candidate by the model; ties (within 0.1%) go to the earlier strategy in
-    the registry's order and the larger Ulysses degree. Never predicted slower than the
+    the registry's order, the larger Ulysses degree, then fewer K/V pieces. Never predicted slower than the
     baseline (``usp`` at its default degree). ``usp_ulysses``: the only Ulysses degree a
     strategy on xFuser's existing groups may use (they are built already). ``external=False``:
     no strategy on groups built outside this package (no xFuser: diffusers' integration).
     ``pad_heads``: Torus-schedule strategies on zero-padded heads are candidates too (the
     caller must then build a pick with ``heads`` > H padded, ``strategies/padded.py``).
-    ``cands``: ``candidates(topology, workload, profile, pad_heads)`` where already at hand."""
+    ``cands``: ``candidates(topology, workload, profile, pad_heads, kv_pieces)`` where
+    already at hand."""
     specs = {s.name: s for s in modelled()
              if (external or not s.external_groups) and not refused(s, profile)}
     if cands is None:
-        cands = candidates(topology, workload, profile, pad_heads)
+        cands = candidates(topology, workload, profile, pad_heads, kv_pieces)
     cands = [p for p in cands if p.strategy in specs
              and (not specs[p.strategy].external_groups or usp_ulysses in (None, p.ulysses))]
     order = list(specs)
@@ -255,7 +293,7 @@ def recommend(topology: Topology, workload: Workload, profile: HardwareProfile,
             if baselines else None)
     ref = base.latency_s if base is not None else min(p.latency_s for p in cands)
     best = min(cands, key=lambda p: (round(p.latency_s / ref, 3), order.index(p.strategy),
-                                     -p.ulysses))
+                                     -p.ulysses, p.pieces))
     return best if base is None or best.latency_s <= base.latency_s else base
 
 
@@ -273,16 +311,16 @@ def why_baseline(best: Prediction, cands: list[Prediction], profile: HardwarePro
         return None
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
     alts = ", ".join(
-        f"{c.strategy} {ms(c.latency_s)} ("
+        f"{c.label} {ms(c.latency_s)} ("
         + (f"host-bound: host {ms(c.host_s)}, GPU {ms(c.compute_s)}" if c.host_bound else
            f"compute {ms(c.compute_s)}, communication not hidden {ms(c.exposed_comm_s)}") + ")"
         for c in fastest.values())
-    return (f"{best.strategy} U{best.ulysses}xR{best.ring} predicted {ms(best.latency_s)} per layer on "
+    return (f"{best.label} U{best.ulysses}xR{best.ring} predicted {ms(best.latency_s)} per layer on "
             f"profile {profile.name} ({profile.origin()}), faster than {alts}")
 
 
 __all__ = ["BYTES", "CPU_PROFILE_PATH", "GPU_PROFILES", "HARDWARE_ENV", "HardwareProfile",
-           "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates", "cpu_profile",
-           "cut_options", "get_profile", "host_cpu", "host_topologies", "host_topology",
-           "inter_node_elements", "load_profile", "predict", "programs", "recommend",
-           "recommend_cut", "refused", "ulysses_degrees", "why_baseline"]
+           "KV_PIECES", "LINK_ENV", "PROFILES", "Prediction", "Rate", "Workload", "candidates",
+           "cpu_profile", "cut_options", "get_profile", "host_cpu", "host_topologies",
+           "host_topology", "inter_node_elements", "load_profile", "piece_options", "predict",
+           "programs", "recommend", "recommend_cut", "refused", "ulysses_degrees", "why_baseline"]

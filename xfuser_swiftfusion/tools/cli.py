@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -38,7 +38,7 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int,
          batch: int = 1, dtype: str = "bf16", hardware: str = "p4de",
-         pad_heads: bool = True, kv_pieces: int = 1) -> dict[str, dict]:
+         pad_heads: bool = True, kv_pieces: int | None = None) -> dict[str, dict]:
     """Per strategy, as ``init_sequence_parallel`` runs it at the default degree: the
     strategy that runs, its heads (``heads`` > H: zero-padded for the Torus schedule, unless
     ``pad_heads=False``), degrees, inter-machine bytes per GPU and predicted latency per
@@ -47,10 +47,12 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
     (strategy, degrees) ``auto`` would pick, and where that is the baseline, why. Where the
     profile has the rates of finer cuts (``levels``: NVLink pairs inside a socket's island)
     the table is the default cut's and the pick the fastest over every cut (its
-    ``topology``; ``cuts``: each cut's own pick). ``kv_pieces``: the option of the strategies
-    that take it (torus) in the table; the pick's candidates run without it."""
-    from ..cost_model import (Workload, get_profile, host_topologies, predict, recommend_cut,
-                              refused, why_baseline)
+    ``topology``; ``cuts``: each cut's own pick). ``kv_pieces``: the K/V pieces P of the strategies
+    that take it (torus, swiftfusion), in the table and the candidates; None: each row and
+    candidate at the P the model predicts fastest (``cost_model.piece_options``; ties to
+    fewer pieces), the row's ``kv_pieces``."""
+    from ..cost_model import (Workload, get_profile, host_topologies, piece_options, predict,
+                              recommend_cut, refused, why_baseline)
     work = Workload(batch, seq_len, heads, head_dim, dtype)
     profile = get_profile(hardware, Topology(nodes, gpus_per_node))
     options = host_topologies(nodes, gpus_per_node, profile)  # one box: its islands are the machines
@@ -65,7 +67,9 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
         paper = paper_inter_node_elements_per_machine(
             spec.placement, topo.nodes, topo.gpus_per_node, mesh.ulysses,
             batch, seq_len, h, head_dim) / topo.gpus_per_node
-        pred = predict(name, topo, work, profile, pad_heads=pad_heads, options={"kv_pieces": kv_pieces})
+        preds = [predict(name, topo, work, profile, pad_heads=pad_heads, options=o)
+                 for o in piece_options(runs, mesh, replace(work, heads=h), kv_pieces)]
+        pred = min(preds, key=lambda p: (round(p.latency_s / preds[0].latency_s, 3), p.pieces))
         why_not = refused(spec, profile)
         out[name] = {
             "runs_as": "refused" if why_not else runs.name, "heads": h, "refused": why_not,
@@ -75,21 +79,23 @@ def plan(nodes: int, gpus_per_node: int, heads: int, seq_len: int, head_dim: int
             "inter_node_bytes_per_gpu_max": max(per_rank) * BYTES[dtype],
             "paper_inter_node_bytes_per_gpu": paper * BYTES[dtype],
             "predicted_latency_s": pred.latency_s, "predicted_gpu_s": pred.compute_s,
-            "predicted_host_s": pred.host_s,
+            "predicted_host_s": pred.host_s, "kv_pieces": pred.pieces,
         }
-    i, picks, per_cut = recommend_cut(options, work)
+    i, picks, per_cut = recommend_cut(options, work, kv_pieces=kv_pieces)
     (chosen, prof), cands, best = options[i], per_cut[i], picks[i]
     cuts = []
     for (t, pr), b in zip(options, picks):
-        cuts.append({"topology": str(t), "hardware": pr.name, "strategy": b.strategy,
+        cuts.append({"topology": str(t), "hardware": pr.name, "strategy": b.strategy, "label": b.label,
                      "ulysses_degree": b.ulysses, "ring_degree": b.ring,
                      "predicted_latency_s": b.latency_s})
-    out["recommended"] = {"strategy": best.strategy, "ulysses_degree": best.ulysses,
+    out["recommended"] = {"strategy": best.strategy, "kv_pieces": best.pieces, "label": best.label,
+                          "options": dict(best.options), "ulysses_degree": best.ulysses,
                           "ring_degree": best.ring, "predicted_latency_s": best.latency_s,
                           "hardware": profile.name, "costs": profile.origin(),
                           "why": why_baseline(best, cands, prof), "topology": str(chosen),
                           "islands": chosen.nodes if profile.island_gpus else None, "cuts": cuts,
-                          "candidates": [{"strategy": c.strategy, "ulysses_degree": c.ulysses,
+                          "candidates": [{"strategy": c.strategy, "label": c.label,
+                                          "kv_pieces": c.pieces, "ulysses_degree": c.ulysses,
                                           "ring_degree": c.ring, "heads": c.heads,
                                           "predicted_latency_s": c.latency_s}
                                          for c in sorted(cands, key=lambda c: c.latency_s)]}
@@ -105,8 +111,9 @@ def _print_plan(p: dict[str, dict], args) -> None:
     print(f"{where}, H={args.heads} L={args.seq_len} "
           f"D={args.head_dim} B={args.batch} {args.dtype}: inter-machine bytes per GPU and the "
           f"predicted time per layer on profile {rec['hardware']} ({rec['costs']}); GPU: the "
-          "slowest rank's compute, host: its time to issue the layer's calls")
-    print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} "
+          "slowest rank's compute, host: its time to issue the layer's calls; P: the last "
+          "Pull-KV stage's K/V pieces (kv_pieces)")
+    print(f"{'strategy':<12} {'runs as':<12} {'heads':>8} {'ulysses':>7} {'ring':>5} {'torus':>6} {'P':>2} "
           f"{'inter-node MB/GPU':>18} {'paper formula':>14} {'predicted ms':>13} {'GPU ms':>8} "
           f"{'host ms':>8}")
     padded, refusals = [], []
@@ -118,22 +125,22 @@ def _print_plan(p: dict[str, dict], args) -> None:
             if r["heads"] != args.heads:
                 padded.append(f"{name} ({args.heads}->{r['heads']})")
             print(f"{name:<12} {r['runs_as']:<12} {heads:>8} {r['ulysses_degree']:>7} {r['ring_degree']:>5} "
-                  f"{r['torus_degree']:>6} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
+                  f"{r['torus_degree']:>6} {r['kv_pieces']:>2} {r['inter_node_bytes_per_gpu'] / 1e6:>18.2f} "
                   f"{r['paper_inter_node_bytes_per_gpu'] / 1e6:>14.2f} "
                   f"{r['predicted_latency_s'] * 1e3:>13.3f} {r['predicted_gpu_s'] * 1e3:>8.3f} "
                   f"{r['predicted_host_s'] * 1e3:>8.3f}")
     for why in refusals:
         print(f"refused: {why}")
     if rec["islands"]:
-        splits = ", ".join(f"{c['strategy']} U{c['ulysses_degree']}xR{c['ring_degree']} "
+        splits = ", ".join(f"{c['label']} U{c['ulysses_degree']}xR{c['ring_degree']} "
                            f"{c['predicted_latency_s'] * 1e3:.3f}" for c in rec["candidates"])
         print(f"auto's candidates on {rec['topology']}, fastest first (ms per layer): {splits}")
     if len(rec["cuts"]) > 1:
         print("levels compete (the table above is the first cut's): " + "; ".join(
-            f"{c['topology']} on {c['hardware']}: {c['strategy']} U{c['ulysses_degree']}xR"
+            f"{c['topology']} on {c['hardware']}: {c['label']} U{c['ulysses_degree']}xR"
             f"{c['ring_degree']} {c['predicted_latency_s'] * 1e3:.3f} ms" for c in rec["cuts"])
               + f"; auto plans on {rec['topology']}")
-    print(f"recommended (auto): {rec['strategy']} U{rec['ulysses_degree']}xR{rec['ring_degree']}"
+    print(f"recommended (auto): {rec['label']} U{rec['ulysses_degree']}xR{rec['ring_degree']}"
           f"{' on ' + rec['topology'] if len(rec['cuts']) > 1 else ''}, "
           f"{rec['predicted_latency_s'] * 1e3:.3f} ms per layer (a prediction)")
     if rec["why"]:
@@ -236,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-pad-heads", dest="pad_heads", action="store_false",
                     help="torus/swiftfusion: the fallback where the default mesh does not fit the "
                          "machines, instead of zero-padded heads (options={'pad_heads': False})")
-    pl.add_argument("--kv-pieces", type=int, default=1, metavar="P",
-                    help="torus: the last Pull-KV stage's K/V in P pieces (options={'kv_pieces': P})")
+    pl.add_argument("--kv-pieces", type=int, default=None, metavar="P",
+                    help="torus, swiftfusion: the last Pull-KV stage's K/V in P pieces "
+                         "(options={'kv_pieces': P}); default: the P of 1, 2, 4 predicted fastest")
 
     from .calibrate import add_arguments as add_calibrate_arguments
     add_calibrate_arguments(sub.add_parser(
