@@ -167,3 +167,118 @@ def test_auto_children_get_kv_pieces_only_where_they_take_it(caplog):
         assert child_options(opts, get("tas")) == {"comm": "auto"}
     assert "tas takes no option kv_pieces" in caplog.text
     assert child_options({"kv_pieces": 1}, get("tas")) == {"kv_pieces": 1}
+
+
+LAYER = (1, 16384, 24, 128)  # B, L, H, D of the one-box layer (plan --seq-len 16384 --heads 24)
+
+
+def _argmin_by_hand(topo, w, prof):
+    """The fastest (strategy, Ulysses degree, P) by ``predict`` alone, each option given by
+    hand: every modelled strategy that is not refused and runs as itself, at every Ulysses
+    degree, and torus/swiftfusion at P in {2, 4} where the mesh has T > 1 and P <= S."""
+    import math
+    from xfuser_swiftfusion.cost_model import predict, refused
+    from xfuser_swiftfusion.mesh import choose_mesh
+    from xfuser_swiftfusion.strategies.registry import modelled
+    g = math.gcd(topo.world_size, w.heads)
+    out = []
+    for spec in modelled():
+        if refused(spec, prof):
+            continue
+        for deg in (d for d in range(1, g + 1) if g % d == 0):
+            mesh = choose_mesh(topo, w.heads, spec.placement, deg)
+            takes = spec.name in ("torus", "swiftfusion") and mesh.torus > 1
+            pieces = [1, 2, 4] if takes else [1]
+            for P in (P for P in pieces if P <= w.seq_len // topo.world_size):
+                p = predict(spec.name, topo, w, prof, deg, options={"kv_pieces": P})
+                if p.runs_as == spec.name:
+                    out.append((p.latency_s, spec.name, deg, P))
+    return min(out)
+
+
+def test_candidates_price_pieces_for_the_strategies_that_take_them():
+    """``candidates``: torus and swiftfusion also at P in {2, 4} (their ``options``), only
+    where the mesh has T > 1 and P fits the tokens per GPU; no other strategy; a pinned P
+    is the only one."""
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, Workload, candidates
+    from xfuser_swiftfusion.topology import Topology
+    prof, w = GPU_PROFILES["l40s-2s-datasheet"], Workload(*LAYER)
+    cands = candidates(Topology(2, 4), w, prof)
+    pieced = {(c.strategy, c.pieces) for c in cands if c.pieces > 1}
+    assert pieced == {(s, P) for s in ("torus", "swiftfusion") for P in (2, 4)}
+    assert all(c.options == {"kv_pieces": c.pieces} for c in cands if c.pieces > 1)
+    assert all(c.label == f"{c.strategy}[P={c.pieces}]" for c in cands if c.pieces > 1)
+    assert {c.strategy for c in cands if c.pieces == 1} >= {"usp", "tas", "torus", "swiftfusion"}
+    assert all(c.pieces == 1 for c in candidates(Topology(1, 8), w, prof))         # T = 1
+    two = candidates(Topology(2, 4), Workload(1, 16, 8, 64), prof)                 # 2 tokens per GPU
+    assert {c.pieces for c in two} == {1, 2}
+    pinned = candidates(Topology(2, 4), w, prof, kv_pieces=2)
+    assert {c.pieces for c in pinned if c.strategy in ("torus", "swiftfusion")} == {2}
+
+
+@pytest.mark.parametrize("hardware, pieces", [("l40s-2s-datasheet", 4), ("l40s-2s", 1)])
+def test_recommend_is_the_argmin_over_pieces(hardware, pieces):
+    """The pick is the argmin of ``predict`` at every (strategy, degree, P) computed here; P > 1
+    where the datasheet's links make the last stage's transfer the bottleneck, P = 1 on this
+    code's host-bound costs; ``plan`` shows it (its rows and its recommendation)."""
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, Workload, recommend
+    from xfuser_swiftfusion.tools import cli
+    from xfuser_swiftfusion.topology import Topology
+    prof, w = GPU_PROFILES[hardware], Workload(*LAYER)
+    lat, name, deg, P = _argmin_by_hand(Topology(2, 4), w, prof)
+    best = recommend(Topology(2, 4), w, prof)
+    assert (best.strategy, best.ulysses, best.pieces, best.latency_s) == (name, deg, P, lat)
+    assert P == pieces
+    p = cli.plan(1, 8, 24, 16384, 128, hardware=hardware)
+    rec = p["recommended"]
+    assert (rec["strategy"], rec["kv_pieces"], rec["predicted_latency_s"]) == (name, P, lat)
+    assert rec["label"] == (name if P == 1 else f"{name}[P={P}]")
+    assert p["torus"]["kv_pieces"] == pieces and p["tas"]["kv_pieces"] == 1
+    pinned = cli.plan(1, 8, 24, 16384, 128, hardware=hardware, kv_pieces=2)
+    assert pinned["torus"]["kv_pieces"] == 2
+    assert {c["kv_pieces"] for c in pinned["recommended"]["candidates"]
+            if c["strategy"] in ("torus", "swiftfusion")} == {2}
+
+
+def test_ties_go_to_fewer_pieces():
+    """Within the 0.1 % tie, the same strategy and degree with fewer pieces wins."""
+    import dataclasses
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, Workload, candidates, predict, recommend
+    from xfuser_swiftfusion.topology import Topology
+    prof, w, topo = GPU_PROFILES["l40s-2s-datasheet"], Workload(*LAYER), Topology(2, 4)
+    usp = predict("usp", topo, w, prof).latency_s
+    torus = [c for c in candidates(topo, w, prof) if c.strategy == "torus" and c.ulysses == 8]
+    assert sorted(c.pieces for c in torus) == [1, 2, 4]
+    # most pieces first and fastest: only the tie rule puts P = 1 first
+    torus.sort(key=lambda c: -c.pieces)
+    fake = [dataclasses.replace(c, latency_s=usp * (0.5 - 1e-5 * c.pieces)) for c in torus]
+    assert recommend(topo, w, prof, cands=fake).pieces == 1
+    fake = [dataclasses.replace(c, latency_s=usp * (0.5 - 1e-2 * c.pieces)) for c in torus]
+    assert recommend(topo, w, prof, cands=fake).pieces == 4
+
+
+def test_auto_builds_its_pick_with_the_pieces_it_chose(monkeypatch):
+    """``auto`` (``choose``, as every rank runs it) picks P with the strategy; the child's
+    options are the context's with the pick's ``kv_pieces`` over them; a user ``kv_pieces``
+    pins P and ``fp8_comms`` pins P = 1 (pieces are unsupported with it)."""
+    from xfuser_swiftfusion.cost_model import GPU_PROFILES, Workload, recommend
+    from xfuser_swiftfusion.strategies import get
+    from xfuser_swiftfusion.strategies.auto import build_options, choose, pinned_pieces
+    from xfuser_swiftfusion.topology import Topology
+    monkeypatch.setenv("SWIFTFUSION_HARDWARE", "l40s-2s-datasheet")
+    B, L, H, D = LAYER
+    q = torch.empty(B, H, L // 8, D, dtype=torch.bfloat16)
+    best, cands, _ = choose(Topology(2, 4), H, q)
+    want = recommend(Topology(2, 4), Workload(*LAYER), GPU_PROFILES["l40s-2s-datasheet"],
+                     pad_heads=True)
+    assert best == want and best.pieces == 4 and best.strategy == "swiftfusion"
+    assert (build_options({"comm": "auto"}, best.options, get(best.runs_as))
+            == {"comm": "auto", "kv_pieces": 4})
+    assert build_options({"kv_pieces": 4}, {}, get("tas")) == {}
+    assert pinned_pieces({}) is None and pinned_pieces({"kv_pieces": 2}) == 2
+    assert pinned_pieces({"fp8_comms": True}) == 1
+    best, cands, _ = choose(Topology(2, 4), H, q, kv_pieces=pinned_pieces({"kv_pieces": 2}))
+    assert best.pieces == 2
+    assert all(c.pieces == 2 for c in cands if c.strategy in ("torus", "swiftfusion"))
+    best, _, _ = choose(Topology(2, 4), H, q, kv_pieces=pinned_pieces({"fp8_comms": True}))
+    assert best.pieces == 1

@@ -13,7 +13,10 @@ on CUDA the one-box profile of the GPUs where one host was cut into islands from
 (``l40s-2s``...), else ``p4de`` (datasheet links, this code's measured GPU costs). Where NVML
 reports GPU peer-to-peer off, the one-sided strategy is no candidate. The model never predicts
 the choice slower than default ``usp``; where it picks ``usp``, rank 0 says why once per
-profile and topology (``cost_model.why_baseline``).
+profile and topology (``cost_model.why_baseline``). The pick carries its K/V pieces
+(``kv_pieces`` P, ``strategies/torus.py``): the model prices torus and swiftfusion at P in
+{1, 2, 4} too, unless the context's options pin P (``pinned_pieces``), and the child is built
+with the P picked (``build_options``).
 
 Competing levels (``hwtopo.Cut``): where detection found finer cuts of the ranks than the
 topology the context was built on (NVLink pairs inside a socket's island; hosts x islands),
@@ -38,6 +41,7 @@ from ..hwtopo import HostIslands, last_detection
 from ..log import get_logger, log_once
 from ..mesh import Mesh, choose_mesh
 from ..topology import Topology, TopologyError, subset_topology
+from . import fp8
 from .layout import Joint, KeyMask
 from .padded import build_padded, padding_message
 from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register, specs
@@ -72,21 +76,32 @@ def hardware_profile(device: torch.device, topology: Topology,
     return profile
 
 
+def pinned_pieces(options: dict) -> int | None:
+    """The K/V pieces P the context's ``options`` pin: the user's ``kv_pieces``; 1 under
+    ``fp8_comms`` (pieces take whole-block wire slots, ``torus.kv_pieces_option``); else None:
+    the model chooses (``cost_model.piece_options``)."""
+    if "kv_pieces" in options:
+        return options["kv_pieces"]
+    return 1 if fp8.enabled(options) else None
+
+
 def choose(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
-           external: bool = True, pad_heads: bool = True, detected: HostIslands | None = None):
+           external: bool = True, pad_heads: bool = True, detected: HostIslands | None = None,
+           kv_pieces: int | None = None):
     """The model's pick for local queries ``q`` [B, H, S_local, D] (pure: same on every rank);
     text tokens are not modelled (they add the same replicated work to every strategy).
     ``usp_ulysses``: the Ulysses degree of xFuser's existing groups, the only one usp can use;
     ``external=False``: no strategy on xFuser's groups at all; ``detected``: the host's
-    islands read from NVML at init (``hwtopo.last_detection``)."""
+    islands read from NVML at init (``hwtopo.last_detection``); ``kv_pieces``: the P the
+    context pins (``pinned_pieces``), None: the model chooses it with the strategy."""
     best, cands, name, _ = choose_cut(topology, num_heads, q, usp_ulysses, external, pad_heads,
-                                      detected)
+                                      detected, kv_pieces=kv_pieces)
     return best, cands, name
 
 
 def choose_cut(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses: int | None = None,
                external: bool = True, pad_heads: bool = True, detected: HostIslands | None = None,
-               cuts: tuple[Topology, ...] = ()):
+               cuts: tuple[Topology, ...] = (), kv_pieces: int | None = None):
     """``choose`` over ``topology`` and its finer ``cuts`` (same ranks, fewer GPUs per
     machine): ``(pick, its cut's candidates, profile name, comparison)``; ``comparison``: None
     where no cut competes, else ``(index into (topology, *cuts) of the pick's cut, every
@@ -98,7 +113,7 @@ def choose_cut(topology: Topology, num_heads: int, q: torch.Tensor, usp_ulysses:
     plain = lambda t: Topology(t.nodes, t.gpus_per_node)  # noqa: E731
     profile = hardware_profile(q.device, plain(topology), detected)
     options, missing = cut_options(plain(topology), profile, [plain(c) for c in cuts])
-    i, picks, cands = recommend_cut(options, w, usp_ulysses, external, pad_heads)
+    i, picks, cands = recommend_cut(options, w, usp_ulysses, external, pad_heads, kv_pieces)
     if not cuts:
         return picks[0], cands[0], profile.name, None
     at = [plain(topology), *map(plain, cuts)].index(options[i][0])
@@ -123,6 +138,14 @@ def finer_cuts(detected: HostIslands | None, topology: Topology,
                 for m in alt.machines() for a in m for b in m):
             out.append(alt)
     return tuple(out)
+
+
+def build_options(options: dict, picked: dict, spec: StrategySpec) -> dict:
+    """The options a child of ``spec`` (the one that runs) is built with: the context's
+    ``options`` and, over them, the pick's program options ``picked``
+    (``Prediction.options``: the ``kv_pieces`` the model chose), less those ``spec`` does
+    not take (``child_options``)."""
+    return child_options({**options, **picked}, spec)
 
 
 PROGRAM_OPTIONS = ("kv_pieces",)  # options of some strategies' schedules, unknown to the others
@@ -151,7 +174,9 @@ class AutoAttention:
     ``external`` (default True), False to never pick a strategy on xFuser's groups; the
     children get every option (``fp8_comms`` included; the cost model prices compute-dtype
     transfers) but schedule options they do not take (``child_options``: ``kv_pieces`` reaches
-    ``torus`` and ``swiftfusion`` only; the cost model prices the children without it)."""
+    ``torus`` and ``swiftfusion`` only), with the pick's own ``kv_pieces`` over them: the model
+    prices those at P in {1, 2, 4} (a given ``kv_pieces``, or ``fp8_comms``: P pinned,
+    ``pinned_pieces``) and the child runs the P it picked (``picked``)."""
 
     detected: HostIslands | None = None  # the host's islands read from NVML at init, if any
     cuts: tuple[Topology, ...] = ()      # finer cuts that compete with the topology (docstring)
@@ -163,6 +188,7 @@ class AutoAttention:
         self._by_signature: dict[tuple, Strategy] = {}
         self._children: dict[tuple, Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
+        self.picked: dict[tuple, dict] = {}  # signature -> the pick's program options (kv_pieces)
         self.meshes: dict[tuple, Mesh] = {}  # (strategy, ulysses, heads[, cut]) -> mesh
         self.detected = last_detection()
         # finer cuts of the ranks that compete with the context's topology (module docstring)
@@ -179,9 +205,15 @@ class AutoAttention:
         built = (s.built_ulysses() for s in specs() if s.external_groups and s.built_ulysses)
         return next((d for d in built if d is not None), None)
 
-    def _child(self, name: str, ulysses: int, heads: int, topology: Topology | None = None) -> Strategy:
+    def _child(self, name: str, ulysses: int, heads: int, topology: Topology | None = None,
+               picked: dict | None = None) -> Strategy:
+        """The child ``name`` at ``ulysses`` on ``heads`` (> H: zero-padded) on ``topology``
+        (a finer cut, or None), built with the pick's program options ``picked``
+        (``build_options``)."""
+        picked = picked or {}
         cut = topology if topology is not None and topology != self.topology else None
         key = (name, ulysses, heads) if cut is None else (name, ulysses, heads, str(cut), cut.order)
+        key += tuple(sorted(picked.items()))
         topology = cut or self.topology
         if key not in self._children:
             spec = get(name)
@@ -189,7 +221,7 @@ class AutoAttention:
                 mesh = choose_mesh(topology, self.num_heads, spec.placement, ulysses)
                 runs = spec.resolve(mesh)
                 child = runs.build(replace(self.args, mesh=mesh, groups=self.args.groups.for_mesh(mesh),
-                                           options=child_options(self.args.options, runs)))
+                                           options=build_options(self.args.options, picked, runs)))
             else:  # zero-padded heads so the Torus schedule runs (strategies/padded.py)
                 mesh = choose_mesh(topology, heads, spec.placement)
                 if self.rank == 0:
@@ -197,7 +229,8 @@ class AutoAttention:
                              padding_message(self.num_heads, heads, topology, f"auto: {name}"))
                 child = build_padded(spec, replace(self.args, mesh=mesh,
                                                    groups=self.args.groups.for_mesh(mesh),
-                                                   options=child_options(self.args.options, spec)),
+                                                   options=build_options(self.args.options, picked,
+                                                                         spec)),
                                      heads)
             self.meshes[key] = mesh
             self._children[key] = child
@@ -215,26 +248,28 @@ class AutoAttention:
             best, cands, profile, cmp = choose_cut(
                 self.topology, self.num_heads, q, self._external_ulysses(),
                 self.args.options.get("external", True) and not masked,
-                self.args.options.get("pad_heads", True), self.detected, self.cuts)
+                self.args.options.get("pad_heads", True), self.detected, self.cuts,
+                pinned_pieces(self.args.options))
             topo = (self.topology, *self.cuts)[cmp[0]] if cmp else self.topology
             key = (best.strategy, best.ulysses)
-            child = self._by_signature[sig] = self._child(*key, best.heads, topo)
+            child = self._by_signature[sig] = self._child(*key, best.heads, topo, best.options)
             self.choices[sig] = key
+            self.picked[sig] = dict(best.options)
             if cmp:
                 self.topologies[sig] = topo
             if self.rank == 0 and cmp:
                 _, compared, missing = cmp
                 log_once(logger, f"auto-cut-{sig}", "auto: levels compete: " + "; ".join(
-                    f"{t} ({p.name}): {b.strategy} U{b.ulysses}xR{b.ring} {b.latency_s * 1e3:.2f} ms"
+                    f"{t} ({p.name}): {b.label} U{b.ulysses}xR{b.ring} {b.latency_s * 1e3:.2f} ms"
                     for t, p, b in compared) + (
                     f"; not compared (the profile has no rates for them): {', '.join(map(str, missing))}"
                     if missing else "") + f"; runs on {topo}", logging.INFO)
             if self.rank == 0:   # every rank picks the same (module docstring)
-                alts = ", ".join(f"{p.strategy} U{p.ulysses}xR{p.ring}"
+                alts = ", ".join(f"{p.label} U{p.ulysses}xR{p.ring}"
                                  f"{f' ({p.heads} heads)' if p.padded else ''} {p.latency_s * 1e3:.2f} ms"
                                  for p in sorted(cands, key=lambda p: p.latency_s))
                 log_once(logger, f"auto-{sig}",
-                         f"auto: {best.strategy} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
+                         f"auto: {best.label} U{best.ulysses}xR{best.ring} for B={q.shape[0]} "
                          f"S_local={q.shape[2]} D={q.shape[3]} {q.dtype} on {topo} "
                          f"({profile} profile); predicted per layer: {alts}", logging.INFO)
                 why = why_baseline(best, cands, hardware_profile(q.device, self.topology, self.detected))
