@@ -162,7 +162,7 @@ def test_auto_says_once_why_it_picks_the_baseline(monkeypatch, caplog):
     impl = auto.AutoAttention.__new__(auto.AutoAttention)
     impl.args = SimpleNamespace(options={"usp_ulysses": 8})
     impl.topology, impl.num_heads, impl.rank = Topology(4, 8), 24, 0
-    impl._by_signature, impl.choices = {}, {}
+    impl._by_signature, impl.choices, impl.picked = {}, {}, {}
     with caplog.at_level(logging.INFO, logger="xfuser.swiftfusion"):
         for L in (37376, 66048):
             q = torch.empty(1, 24, L // 32, 128, dtype=torch.bfloat16)

@@ -282,3 +282,35 @@ def test_auto_builds_its_pick_with_the_pieces_it_chose(monkeypatch):
     assert all(c.pieces == 2 for c in cands if c.strategy in ("torus", "swiftfusion"))
     best, _, _ = choose(Topology(2, 4), H, q, kv_pieces=pinned_pieces({"fp8_comms": True}))
     assert best.pieces == 1
+
+
+def test_auto_call_builds_the_child_with_the_chosen_pieces(monkeypatch):
+    """``AutoAttention.__call__`` (the children stood in for: their build is collective)
+    asks for its pick's child with the pick's ``kv_pieces`` on the datasheet box, none on
+    this code's costs, and the user's P where given; ``build_options`` merges them so."""
+    from types import SimpleNamespace
+    from xfuser_swiftfusion.strategies import auto
+    from xfuser_swiftfusion.topology import Topology
+    asked = []
+
+    class Child:
+        spec = None
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    monkeypatch.setattr(auto.AutoAttention, "_child", lambda self, name, deg, heads, topo, picked:
+                        asked.append((name, picked)) or Child())
+    monkeypatch.setattr(auto, "call_args", lambda spec, q, k, v, joint, key_mask: (k, v, joint, {}))
+    q = torch.empty(1, 24, 16384 // 8, 128, dtype=torch.bfloat16)
+    for hardware, options, want in [
+            ("l40s-2s-datasheet", {}, ("swiftfusion", {"kv_pieces": 4})),
+            ("l40s-2s-datasheet", {"kv_pieces": 2}, ("swiftfusion", {"kv_pieces": 2})),
+            ("l40s-2s", {}, ("usp", {}))]:
+        monkeypatch.setenv("SWIFTFUSION_HARDWARE", hardware)
+        impl = auto.AutoAttention.__new__(auto.AutoAttention)
+        impl.args = SimpleNamespace(options=options)
+        impl.topology, impl.num_heads, impl.rank = Topology(2, 4), 24, 1
+        impl._by_signature, impl.choices, impl.picked = {}, {}, {}
+        impl(q, q, q, None, 128 ** -0.5)
+        assert asked.pop() == want and list(impl.picked.values()) == [want[1]]
