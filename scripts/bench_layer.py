@@ -458,7 +458,8 @@ def _describe_ours(r: dict, ctx, recd: AttendRecorder, B: int, L: int, H: int, D
     inner = getattr(ctx._impl, "choices", None)
     if inner:
         name, ulysses = list(inner.values())[-1]
-        r["ran_as"] = f"{ctx.strategy}->{name}U{ulysses}"
+        P = list(getattr(ctx._impl, "picked", {None: {}}).values())[-1].get("kv_pieces", 1)
+        r["ran_as"] = f"{ctx.strategy}->{name}{f'[P={P}]' if P != 1 else ''}U{ulysses}"
         mesh = choose_mesh(ctx.topology, H, get(name).placement, ulysses)
         ran = get(name).resolve(mesh, log=False)
     r["ran"], r["ulysses"] = ran.name, mesh.ulysses
