@@ -276,7 +276,7 @@ def init_sequence_parallel(strategy: str = "swiftfusion", num_heads: int | None 
     gathered ring group's K/V, or one per ring step (``strategies/torus.py``).
     ``kv_pieces`` (torus, swiftfusion; default 1): the last Pull-KV stage's K/V block in that
     many pieces, each attended as it arrives (``strategies/torus.py``; ``fp8_comms`` refuses
-    more than one).
+    more than one); under ``auto`` unset: the P of 1, 2, 4 the cost model predicts fastest.
 
     Every call of tas, torus and swiftfusion runs an execution plan: the first call with an input
     signature compiles the layer (checks, buffers, chunk tables, resolved transfers), later
