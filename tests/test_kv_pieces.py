@@ -277,6 +277,9 @@ def test_auto_builds_its_pick_with_the_pieces_it_chose(monkeypatch):
     assert build_options({"kv_pieces": 4}, {}, get("tas")) == {}
     assert pinned_pieces({}) is None and pinned_pieces({"kv_pieces": 2}) == 2
     assert pinned_pieces({"fp8_comms": True}) == 1
+    for bad in ({"kv_pieces": 0}, {"kv_pieces": "4"}, {"kv_pieces": 2, "fp8_comms": True}):
+        with pytest.raises(ValueError, match="kv_pieces"):
+            pinned_pieces(bad)
     best, cands, _ = choose(Topology(2, 4), H, q, kv_pieces=pinned_pieces({"kv_pieces": 2}))
     assert best.pieces == 2
     assert all(c.pieces == 2 for c in cands if c.strategy in ("torus", "swiftfusion"))

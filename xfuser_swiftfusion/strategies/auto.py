@@ -45,6 +45,7 @@ from . import fp8
 from .layout import Joint, KeyMask
 from .padded import build_padded, padding_message
 from .registry import NATIVE, BuildArgs, Strategy, StrategySpec, call_args, get, register, specs
+from .torus import kv_pieces_option
 
 logger = get_logger(__name__)
 
@@ -77,11 +78,11 @@ def hardware_profile(device: torch.device, topology: Topology,
 
 
 def pinned_pieces(options: dict) -> int | None:
-    """The K/V pieces P the context's ``options`` pin: the user's ``kv_pieces``; 1 under
-    ``fp8_comms`` (pieces take whole-block wire slots, ``torus.kv_pieces_option``); else None:
-    the model chooses (``cost_model.piece_options``)."""
+    """The K/V pieces P the context's ``options`` pin: the user's ``kv_pieces`` (checked:
+    ``torus.kv_pieces_option``); 1 under ``fp8_comms`` (pieces take whole-block wire slots);
+    else None: the model chooses (``cost_model.piece_options``)."""
     if "kv_pieces" in options:
-        return options["kv_pieces"]
+        return kv_pieces_option(options)
     return 1 if fp8.enabled(options) else None
 
 
@@ -189,7 +190,7 @@ class AutoAttention:
         self._children: dict[tuple, Strategy] = {}
         self.choices: dict[tuple, tuple[str, int]] = {}
         self.picked: dict[tuple, dict] = {}  # signature -> the pick's program options (kv_pieces)
-        self.meshes: dict[tuple, Mesh] = {}  # (strategy, ulysses, heads[, cut]) -> mesh
+        self.meshes: dict[tuple, Mesh] = {}  # (strategy, ulysses, heads[, cut], *picked) -> mesh
         self.detected = last_detection()
         # finer cuts of the ranks that compete with the context's topology (module docstring)
         self.cuts = finer_cuts(self.detected, self.topology, args.groups.members)
