@@ -506,3 +506,19 @@ def test_the_two_sided_transport_refuses_pieces_with_fp8(fp64_kernel):
     (7, 3, [(0, 3), (3, 5), (5, 7)]), (8, 3, [(0, 3), (3, 6), (6, 8)]), (9, 4, [(0, 3), (3, 5), (5, 7), (7, 9)])])
 def test_piece_bounds_by_hand(S, P, want):
     assert torus.piece_bounds(S, P) == want
+
+
+def test_kv_pieces_on_one_machine_change_nothing(fp64_kernel, caplog, monkeypatch):
+    """T = 1 (no Pull-KV stage to split): ``kv_pieces`` 5 over 2 tokens per GPU posts what no
+    pieces post, the cost model's ops are those without pieces, nothing is logged."""
+    from xfuser_swiftfusion import log
+    monkeypatch.setattr(log, "_seen", set())
+    with caplog.at_level("WARNING", logger="xfuser.swiftfusion"):
+        outs, refs, fabric, _ = run_torus(1, 2, 2, Tj=1, masked=True, kv_pieces=5, launches="stage")
+    assert max(errors(outs, refs)) <= 1e-10, errors(outs, refs)
+    assert not [r for r in caplog.records if "kv_pieces" in r.getMessage()]
+    m = make_mesh(1, 2, 2)
+    for x in range(4):
+        ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 4, D, 1, itemsize=8), 5), "stage")
+        assert ops == torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 4, D, 1, itemsize=8)), "stage")
+        assert posted(fabric, x) == transfers(ops), x
