@@ -522,3 +522,20 @@ def test_kv_pieces_on_one_machine_change_nothing(fp64_kernel, caplog, monkeypatc
         ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 4, D, 1, itemsize=8), 5), "stage")
         assert ops == torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 4, D, 1, itemsize=8)), "stage")
         assert posted(fabric, x) == transfers(ops), x
+
+
+def test_kv_pieces_up_to_the_tokens_are_kept_without_a_word(caplog, monkeypatch):
+    """``TorusAttention.pieces(S)``: ``kv_pieces`` when at most S (no log), else S, logged once."""
+    from xfuser_swiftfusion import log
+    monkeypatch.setattr(log, "_seen", set())
+    m = make_mesh(2, 1, 1)
+    a = SimpleNamespace(two_sided=lambda: Fabric(2).comm(0), groups=SPGroups(m, 0), rank=0, mesh=m,
+                        options={"kv_pieces": 3})
+    attn = torus.build_torus(a)
+    with caplog.at_level("WARNING", logger="xfuser.swiftfusion"):
+        assert [attn.pieces(S) for S in (3, 4, 9)] == [3, 3, 3]
+        assert not caplog.records
+        assert [attn.pieces(S) for S in (2, 2, 1)] == [2, 2, 1]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"torus: kv_pieces=3 exceeds the {S} tokens per GPU; the last Pull-KV stage moves in {S} pieces of one row"
+        for S in (2, 1)]
