@@ -539,3 +539,27 @@ def test_kv_pieces_up_to_the_tokens_are_kept_without_a_word(caplog, monkeypatch)
     assert [r.getMessage() for r in caplog.records] == [
         f"torus: kv_pieces=3 exceeds the {S} tokens per GPU; the last Pull-KV stage moves in {S} pieces of one row"
         for S in (2, 1)]
+
+
+def test_the_two_sided_transport_takes_one_piece_on_one_machine(fp64_kernel):
+    """``TwoSidedTorusIO.stage_in(..., pieces=3)`` at T = 1 (no Pull-KV stage): as without
+    pieces, the same buffers (no piece-major K/V) and the reference's rows."""
+    m = make_mesh(1, 2, 1)
+    (q, k, v, joint, key_mask, _), refs = layer_inputs(m, Tj=1, masked=True)
+    res = {}
+    for P in (1, 3):
+        fabric = Fabric(2, [0, 0])
+
+        def rank_main(x):
+            comm = fabric.comm(x)
+            io = torus.TwoSidedTorusIO(SPGroups(m, x), comm, x)
+            stage_in = io.stage_in
+            io.stage_in = lambda q, k, v, n, pieces=1: stage_in(q, k, v, n, pieces=P)  # noqa: E731
+            attn = torus.TorusAttention(torus.SPEC, m, io, x, [comm], {"launches": "ring"})
+            mine = slice(x * S, (x + 1) * S)
+            out = attn.layer(q[:, :, mine], k[:, :, mine], v[:, :, mine], joint, SCALE, key_mask)
+            return out, io.pieces, storage_bytes(io._buffers)
+
+        res[P] = fabric.run(rank_main)
+        assert max(errors([[o] for o, _, _ in res[P]], [[r] for r in refs])) <= 1e-10, P
+    assert [(p, n) for _, p, n in res[3]] == [(1, n) for _, _, n in res[1]]
