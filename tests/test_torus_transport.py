@@ -563,3 +563,23 @@ def test_the_two_sided_transport_takes_one_piece_on_one_machine(fp64_kernel):
         res[P] = fabric.run(rank_main)
         assert max(errors([[o] for o, _, _ in res[P]], [[r] for r in refs])) <= 1e-10, P
     assert [(p, n) for _, p, n in res[3]] == [(1, n) for _, _, n in res[1]]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_block_in_pieces_is_only_read_by_piece(P):
+    """With pieces, the last stage's block (machine t + 1's) has no whole buffer: asking for
+    it whole is an error; its pieces and every other block are there."""
+    m = make_mesh(3, 1, 1)
+    fabric = Fabric(3)
+
+    def rank_main(x):
+        io = torus.TwoSidedTorusIO(SPGroups(m, x), fabric.comm(x), x)
+        t = torch.zeros(B, 3, 3, D, dtype=torch.float64)
+        io.stage_in(t, t, t, 0, pieces=P)
+        with pytest.raises(AssertionError, match=f"block {(x + 1) % 3} arrives in {P} pieces: ask for a piece"):
+            io.kv_block((x + 1) % 3)
+        return [io.kv_block(a)[0].shape[-2] for a in (x, (x + 2) % 3)], [io.kv_block(None, p)[0].shape[-2]
+                                                                        for p in range(P)]
+
+    rows = [hi - lo for lo, hi in torus.piece_bounds(3, P)]
+    assert fabric.run(rank_main) == [([3, 3], rows)] * 3
