@@ -344,14 +344,16 @@ def storage_bytes(tree) -> int:
 
 @pytest.mark.parametrize("mesh,launches,fp8,Tj,P", [
     ((2, 2, 2), "stage", None, 2, 1), ((1, 2, 1), "ring", True, 1, 1), ((2, 1, 2), "stage", True, 0, 1),
-    ((3, 1, 1), "ring", False, 2, 1), ((3, 2, 1), "stage", False, 1, 2), ((1, 2, 2), "ring", None, 0, 2)])
+    ((3, 1, 1), "ring", False, 2, 1), ((3, 2, 1), "stage", False, 1, 2), ((1, 2, 2), "ring", None, 0, 2),
+    ((2, 1, 2), "stage", None, 1, 2)])
 def test_the_transport_holds_the_buffers_its_layout_needs(fp64_kernel, mesh, launches, fp8, Tj, P):
     """``TwoSidedTorusIO`` built as ``build_torus`` builds it (``fp8``: None leaves the
     constructor's default, off): after a call its buffers are exactly, in bytes, the output
     slots O and Ob ([T, U] of B h (S + Tj) D; Q lives in O's image rows), K and V
     [T, U, B, h_kv, S, D], the send copies of Q, K, V, the ring's gathered K/V [T, R - 1, U, ...]
     (stage launches, R > 1), the fp8 wire slots (T > 1: send and receive, payload + 4 bytes)
-    and with ``kv_pieces`` P > 1 (T > 1) the piece-major K and V, sent and received (U slots each)."""
+    and with ``kv_pieces`` P > 1 (T > 1) the piece-major K and V, sent and received (U slots each),
+    and their ring gathers [R - 1, U, ...] (stage launches, R > 1)."""
     T, U, R = mesh
     m, W = make_mesh(T, U, R), T * U * R
     (q, k, v, joint, key_mask, _), refs = layer_inputs(m, Tj=Tj, kv_heads=1, fp8=bool(fp8) and T > 1)
@@ -376,6 +378,8 @@ def test_the_transport_holds_the_buffers_its_layout_needs(fp64_kernel, mesh, lau
         want += 2 * G * ((img + 4) + 2 * (kv + 4) + (out + 4))
     if P > 1 and T > 1:
         want += 2 * 2 * U * kv * e
+        if launches == "stage" and R > 1:  # the ring's gathered pieces [R - 1, U, ...], K and V
+            want += 2 * (R - 1) * U * kv * e
     for _, io in res:
         assert len(io._buffers) == 1 and storage_bytes(io._buffers) == want
 
