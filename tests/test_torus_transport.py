@@ -589,3 +589,15 @@ def test_a_block_in_pieces_is_only_read_by_piece(P):
 
     rows = [hi - lo for lo, hi in torus.piece_bounds(3, P)]
     assert fabric.run(rank_main) == [([3, 3], rows)] * 3
+
+
+def test_two_sided_ops_copy_my_slots_into_the_pieces_of_a_2x2_layer():
+    """T = 2, U = 2, rank 0, kv_pieces 2: B = 1, S = 3, H = 8 (h = 2), D = 2, 2-byte elements
+    (24-byte slots): after split_heads (3 x T U slots), my K and V slots for machine 1, U each,
+    into the piece buffers (96 bytes); the rest as without pieces but the last stage's K/V."""
+    m = make_mesh(2, 2, 1)
+    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 8, 2, 0, itemsize=2), 2), "ring")
+    whole = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 8, 2, 0, itemsize=2)), "ring")
+    assert ops[:2] == [Copy(288), Copy(96)] and whole[0] == Copy(288) and whole[1] != Copy(96)
+    copies = lambda ops: [o for o in ops if isinstance(o, Copy)]  # noqa: E731
+    assert copies(ops) == [Copy(288), Copy(96), *copies(whole)[1:]]
