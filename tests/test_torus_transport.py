@@ -601,3 +601,22 @@ def test_two_sided_ops_copy_my_slots_into_the_pieces_of_a_2x2_layer():
     assert ops[:2] == [Copy(288), Copy(96)] and whole[0] == Copy(288) and whole[1] != Copy(96)
     copies = lambda ops: [o for o in ops if isinstance(o, Copy)]  # noqa: E731
     assert copies(ops) == [Copy(288), Copy(96), *copies(whole)[1:]]
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_two_sided_ops_of_one_machine_have_no_pieces(P):
+    """T = 1, U = 2, R = 1, rank 0, ring launches, kv_pieces P: B = 1, S = 3, H = 2 (h = 1),
+    D = 2, 2-byte elements (12-byte slots): the Ulysses exchange of my machine alone, no pieces."""
+    m = make_mesh(1, 2, 1)
+    peer = m.rank_of(0, 1, 0)
+    ops = torus_ops(TwoSidedTorusOps(m, 0, Shape(1, 3, 2, 2, 0, itemsize=2), P), "ring")
+    X = lambda i: Transfer(f"exchange{i}", "exchange", "other", ((peer, 12),), ((peer, 12),))  # noqa: E731
+    assert ops == [
+        Copy(72),  # split_heads of Q, K, V: 3 x T U slots
+        Copy(12), X(1), Copy(12), X(2), Copy(12), X(3),  # stage 0: Q, K, V, mine and to u = 1
+        Wait(("exchange1", "exchange2", "exchange3")),
+        Copy(48), Copy(48),  # running states of my U = 2 query chunks
+        Attend((3, 3), (3, 3), 1, False), Attend((3, 3), (), 1, True),
+        Copy(12), X(4),  # Push-O: my slot, u = 1's
+        Wait(("exchange4",)),
+        Copy(24)]  # gather_output: T U output slots
