@@ -488,11 +488,18 @@ def test_kv_pieces_option_is_checked_at_build():
     m = make_mesh(2, 1, 1)
     a = lambda options: SimpleNamespace(two_sided=lambda: Fabric(2).comm(0), groups=SPGroups(m, 0),  # noqa: E731
                                         rank=0, mesh=m, options=options)
+    made = []  # a refused option makes no communicator
+    refused = lambda options: SimpleNamespace(two_sided=lambda: made.append(1), groups=SPGroups(m, 0),  # noqa: E731
+                                              rank=0, mesh=m, options=options)
     for bad in (0, -1, True, "2", 2.0):
         with pytest.raises(ValueError, match=r"option 'kv_pieces' must be an int >= 1, got " + repr(bad)):
-            torus.build_torus(a({"kv_pieces": bad}))
+            torus.build_torus(refused({"kv_pieces": bad}))
     with pytest.raises(ValueError, match=r"kv_pieces > 1 with fp8_comms is not supported; use one or the other"):
-        torus.build_torus(a({"kv_pieces": 2, "fp8_comms": True}))
+        torus.build_torus(refused({"kv_pieces": 2, "fp8_comms": True}))
+    assert made == []
+    shape = Shape(1, 3, 2, 2, 1, itemsize=2)  # the spec's program: no pieces unless asked
+    assert torus.SPEC.program(m, 0, shape) == torus_ops(TwoSidedTorusOps(m, 0, shape), "ring")
+    assert torus.SPEC.program(m, 0, shape, "ring", 2) == torus_ops(TwoSidedTorusOps(m, 0, shape, 2), "ring")
     for options, want in (({}, 1), ({"kv_pieces": 1, "fp8_comms": True}, 1), ({"kv_pieces": 3}, 3)):
         assert torus.kv_pieces_option(options) == want
         assert torus.build_torus(a(options)).kv_pieces == want
