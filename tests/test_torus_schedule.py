@@ -176,6 +176,23 @@ def test_one_piece_is_the_schedule_without_pieces():
         torus_schedule(2, 0, False, 0)
 
 
+def test_launches_name_pieces_only_where_a_kv_entry_is_a_piece():
+    """``Launch.pieces``: empty where every K/V entry is whole, else one per K/V entry, each
+    that of the step it came from (the launch's K/V entries are its steps' in order)."""
+    for T in (1, 2, 3, 4):
+        for t in range(T):
+            for text in (False, True):
+                for P in (1, 2, 3):
+                    steps = [(s.q, s.kv, s.piece) for s in torus_schedule(T, t, text, P) if s.kind == "attend"]
+                    launched = []
+                    for x in fused_schedule(T, t, text, P):
+                        if isinstance(x, Launch) and x.kv:
+                            whole = all(p is None for _, p in x.kv_pieces())
+                            assert (x.pieces == ()) == whole and (whole or len(x.pieces) == len(x.kv)), x
+                            launched += [(x.q, e, p) for e, p in x.kv_pieces()]
+                    assert launched == steps, (T, t, text, P)
+
+
 def test_pieces_of_the_last_stage_read_like_the_refinement():
     """T = 2, machine 0, P = 3: pieces 1-2 of block 1 by every query entry as they arrive, the
     last piece block by block (the remote block first, pushed at once; mine beside the push)."""
