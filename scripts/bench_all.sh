@@ -20,6 +20,11 @@ layer --topologies 4x2 --seq 16384 --head-dims 32,128 --reps 5 --link-mbit 80 --
 layer --topologies 4x1,4x2 --seq 4096,8192 --reps 5 --link-mbit 80 --out $R/layer-E-seq-80mbit
 layer --topologies 4x1,4x2 --seq 8192 --batches 2,4 --reps 5 --link-mbit 80 --out $R/layer-E-batch-80mbit
 layer --topologies 2x2 --seq 16384 --reps 5 --link-mbit 80 --strategies usp,tas,torus,swiftfusion --diffusers --out $R/diffusers-layer-2x2-L16384-80mbit
+for mbit in 150 250; do  # one box of PCIe GPUs: 2 islands of 4 (docs/one-box.md)
+  "$PY" scripts/bench_layer.py --topologies 2x4 --islands --usp-splits --strategies usp,tas,torus,swiftfusion \
+      --kv-pieces 1,2,4 --seq 2048 --heads 8 --head-dims 64 --dtype fp32 --reps 7 --link-mbit $mbit \
+      --out $R/layer-box-2x4-$mbit-pieces
+done
 "$PY" scripts/plot_benchmarks.py $R/layer-A-L16384-80mbit.json $R/layer-B-L16384-160mbit.json \
     $R/layer-C-L16384-2000mbit.json --out benchmarks/layer-A-B-C.png
 "$PY" scripts/plot_benchmarks.py $R/layer-E-machines-80mbit.json $R/layer-A-L16384-80mbit.json $R/layer-E-headdim-80mbit.json \
@@ -34,3 +39,6 @@ for model in tiny-flux tiny-cogvideox; do
         --json $R/e2e-$model-$topo-80mbit.json --plot benchmarks/e2e-$model-$topo-80mbit.png
   done
 done
+
+# SGLang's own Flux against SGLang's USP (needs SGLang: scripts/install_sglang_cpu.sh)
+"$PY" scripts/bench_sglang.py --json $R/sglang-compare-flux-2x2-80mbit-quiet.json
