@@ -170,6 +170,21 @@ def transfers(ops) -> list[tuple]:
     return [(t.queue, t.sends, t.recvs) for t in ops if isinstance(t, Transfer)]
 
 
+def posted_as_the_ops(fabric: Fabric, comms, m: Mesh, tokens: int, Tj: int, launches: str,
+                      P: int = 1) -> None:
+    """Each rank's posted exchanges are ``torus_ops``' transfers (with ``P`` pieces), in order,
+    and its byte, message and grouped-call counters their sums."""
+    T, U = m.torus, m.ulysses_intra
+    for x, c in enumerate(comms):
+        ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, tokens, 2 * T * U, D, Tj, itemsize=8), P), launches)
+        assert posted(fabric, x) == transfers(ops), x
+        other = {y for y in range(m.world_size) if m.topology.node_of(y) != m.topology.node_of(x)}
+        assert (c.counter.inter_node_bytes, c.counter.intra_node_bytes) == (
+            sent_bytes(ops, other), sent_bytes(ops) - sent_bytes(ops, other)), x
+        n = counts(ops)
+        assert (c.counter.messages, c.counter.grouped_calls) == (n["transfers"], n["grouped_exchanges"]), x
+
+
 CASES = [  # (T, U, R), launches, Tj, where, masked, kv_heads, land; j = 2 i (+ 1 for stage)
     (m, launches, 2 if i % 3 else 0, "front" if i % 2 else "rear", i % 4 in (1, 2),
      1 if j % 5 == 4 else None, "post" if (i + (launches == "stage")) % 2 else "wait")
@@ -190,15 +205,7 @@ def test_torus_over_the_two_sided_transport_matches_softmax_attention(
         assert not [e for e in fabric.log if e[1] == "ring"]
     if kv_heads is not None:
         return
-    m = make_mesh(T, U, R)
-    for x, c in enumerate(comms):
-        ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, S, 2 * T * U, D, Tj, itemsize=8)), launches)
-        assert posted(fabric, x) == transfers(ops), x
-        other = {y for y in range(m.world_size) if m.topology.node_of(y) != m.topology.node_of(x)}
-        assert (c.counter.inter_node_bytes, c.counter.intra_node_bytes) == (
-            sent_bytes(ops, other), sent_bytes(ops) - sent_bytes(ops, other)), x
-        n = counts(ops)
-        assert (c.counter.messages, c.counter.grouped_calls) == (n["transfers"], n["grouped_exchanges"]), x
+    posted_as_the_ops(fabric, comms, make_mesh(T, U, R), S, Tj, launches)
 
 
 CHANGING = [dict(Tj=2, masked=True), dict(seed=1), dict(Tj=3, where="rear", seed=2),
@@ -427,15 +434,7 @@ def test_kv_pieces_over_the_two_sided_transport_match_softmax_attention(
         assert not [e for e in fabric.log if e[1] == "ring"]
     if kv_heads is not None:
         return
-    m = make_mesh(T, U, R)
-    for x, c in enumerate(comms):
-        ops = torus_ops(TwoSidedTorusOps(m, x, Shape(B, tokens, 2 * T * U, D, Tj, itemsize=8), P), launches)
-        assert posted(fabric, x) == transfers(ops), x
-        other = {y for y in range(m.world_size) if m.topology.node_of(y) != m.topology.node_of(x)}
-        assert (c.counter.inter_node_bytes, c.counter.intra_node_bytes) == (
-            sent_bytes(ops, other), sent_bytes(ops) - sent_bytes(ops, other)), x
-        n = counts(ops)
-        assert (c.counter.messages, c.counter.grouped_calls) == (n["transfers"], n["grouped_exchanges"]), x
+    posted_as_the_ops(fabric, comms, make_mesh(T, U, R), tokens, Tj, launches, P)
 
 
 def test_more_kv_pieces_than_tokens_move_one_row_each_logged_once(fp64_kernel, caplog, monkeypatch):

@@ -621,47 +621,30 @@ class TwoSidedTorusIO:
         """One grouped exchange on the ``"ring"`` queue: my block ``a`` to every ring peer,
         theirs into ``G`` (``[T, R-1, U, B, h_kv, S, D]`` per tensor, slot ``i - 1`` = ring
         rank ``r + i``); a piece: into ``GP[piece]`` (``[R-1, U, B, h_kv, S_p, D]``)."""
-        if piece is not None:
-            return self._ring_all_piece(piece, what=what)
-        if a not in self._gathered:
-            R, r = len(self.ring_ranks), self.r
-            k, v = self.kv_block(a)  # [U, B, h_kv, S, D]
-            blocks = {r: (k, v)}
-            if R > 1:
-                if "G" not in self.buf:
-                    self.buf["G"] = {n: torch.empty((self.mesh.torus, R - 1, *k.shape), dtype=k.dtype,
-                                                    device=k.device) for n in "KV"}
-                G = self.buf["G"]
-                sends, recvs = [], []
-                for i, (r2, p) in enumerate(ring_peers(self.ring_ranks, r)):
-                    gk, gv = G["K"][a, i], G["V"][a, i]
-                    sends += [(k, p), (v, p)]
-                    recvs += [(gk, p), (gv, p)]
-                    blocks[r2] = (gk, gv)
-                self.comm.exchange(sends, recvs, what=f"{what}, ring all-gather of block {a}",
-                                   queue="ring").wait()
-            self._gathered[a] = [(r2, list(zip(blocks[r2][0].unbind(0), blocks[r2][1].unbind(0))))
-                                 for r2 in range(R)]
-        return self._gathered[a]
-
-    def _ring_all_piece(self, p: int, *, what: str):
-        key = ("piece", p)
+        key = a if piece is None else ("piece", piece)
+        k, v = self.kv_block(a, piece)
         if key not in self._gathered:
             R, r = len(self.ring_ranks), self.r
-            k, v = self.kv_block(None, p)  # [U, B, h_kv, S_p, D]
-            blocks = {r: (k, v)}
+            blocks = {r: (k, v)}  # [U, B, h_kv, S(_p), D]
             if R > 1:
-                GP = self.buf.setdefault("GP", {})
-                if p not in GP:
-                    GP[p] = {n: torch.empty((R - 1, *k.shape), dtype=k.dtype, device=k.device)
-                             for n in "KV"}
+                if piece is None:
+                    if "G" not in self.buf:
+                        self.buf["G"] = {n: torch.empty((self.mesh.torus, R - 1, *k.shape), dtype=k.dtype,
+                                                        device=k.device) for n in "KV"}
+                    G, of = {n: self.buf["G"][n][a] for n in "KV"}, f"block {a}"
+                else:
+                    G = self.buf.setdefault("GP", {})
+                    if piece not in G:
+                        G[piece] = {n: torch.empty((R - 1, *k.shape), dtype=k.dtype, device=k.device)
+                                    for n in "KV"}
+                    G, of = G[piece], f"piece {piece + 1}"
                 sends, recvs = [], []
                 for i, (r2, peer) in enumerate(ring_peers(self.ring_ranks, r)):
-                    gk, gv = GP[p]["K"][i], GP[p]["V"][i]
+                    gk, gv = G["K"][i], G["V"][i]
                     sends += [(k, peer), (v, peer)]
                     recvs += [(gk, peer), (gv, peer)]
                     blocks[r2] = (gk, gv)
-                self.comm.exchange(sends, recvs, what=f"{what}, ring all-gather of piece {p + 1}",
+                self.comm.exchange(sends, recvs, what=f"{what}, ring all-gather of {of}",
                                    queue="ring").wait()
             self._gathered[key] = [(r2, list(zip(blocks[r2][0].unbind(0), blocks[r2][1].unbind(0))))
                                    for r2 in range(R)]
