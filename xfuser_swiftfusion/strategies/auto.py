@@ -149,14 +149,12 @@ def build_options(options: dict, picked: dict, spec: StrategySpec) -> dict:
     return child_options({**options, **picked}, spec)
 
 
-PROGRAM_OPTIONS = ("kv_pieces",)  # options of some strategies' schedules, unknown to the others
-
-
 def child_options(options: dict, spec: StrategySpec) -> dict:
     """The options a child of ``spec`` (the one that runs, after its fallback) is built with:
     ``options`` less the schedule options it does not take (``StrategySpec.program_options``,
     e.g. ``kv_pieces`` on ``tas``, which has no Torus schedule), logged once."""
-    drop = [o for o in PROGRAM_OPTIONS if options.get(o, 1) != 1 and o not in spec.program_options]
+    schedule_options = dict.fromkeys(o for s in specs() for o in s.program_options)  # in order
+    drop = [o for o in schedule_options if options.get(o, 1) != 1 and o not in spec.program_options]
     if not drop:
         return options
     log_once(logger, f"auto-drop-{spec.name}-{drop}",
