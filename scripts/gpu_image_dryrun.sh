@@ -20,7 +20,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${SF_DRYRUN_DIR:-$HOME/.cache/swiftfusion-gpu-dryrun}
 mkdir -p "$cache"
-py312=${PYTHON312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3.12)}
+py312=${PYTHON312:-}
+if [ -z "$py312" ]; then  # the first Python 3.12 that runs (a pyenv shim may exist and refuse)
+    for c in "$(command -v python3.12 || true)" /root/.pyenv/versions/3.12*/bin/python3.12; do
+        if [ -n "$c" ] && "$c" -c '' 2>/dev/null; then py312=$c; break; fi
+    done
+fi
+[ -n "$py312" ] || { echo "FAIL: no Python 3.12 found; set PYTHON312"; exit 1; }
 venv=$cache/venv-py312-torch2.11.0
 image=(torch==2.11.0 triton==3.6.0 numpy==2.5.2 transformers==5.17.0 accelerate==1.15.0
        cuda-bindings==13.0.3 cuda-core==0.3.2 cuda-pathfinder==1.2.2 einops peft pyyaml
