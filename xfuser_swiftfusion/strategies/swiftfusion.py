@@ -64,7 +64,8 @@ from .layout import Slots, split_heads
 from .ops import Barrier, Copy
 from .registry import NATIVE, BuildArgs, StrategySpec, get, register
 from .ring import PullRing, ring_ops, slots
-from .torus import TorusAttention, TorusOps, kv_key, kv_pieces_option, piece_bounds, ring_peers, torus_ops
+from .torus import (TorusAttention, TorusOps, check_whole_block, kv_key, kv_pieces_option, piece_bounds,
+                    ring_peers, staged_pieces, torus_ops)
 
 logger = get_logger(__name__)
 
@@ -130,9 +131,7 @@ class OneSidedTorusIO:
 
     def stage_in(self, q, k, v, text_len, pieces: int = 1):
         T, U, t, u = self.mesh.torus, self.mesh.ulysses_intra, self.t, self.u
-        self.pieces = pieces if T > 1 else 1
-        if self.pieces > 1 and self.fp8:
-            raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+        self.pieces = staged_pieces(T, pieces, self.fp8)
         self.bounds = piece_bounds(q.shape[2], self.pieces)
         self.buf = self._alloc(q, k.shape[1], text_len)
         self.O, self.Ob = self.buf["QO"], self.buf["QOb"]
@@ -205,8 +204,7 @@ class OneSidedTorusIO:
         that piece of the last stage's block, ``[U, 2, B, h_kv, S_p, D]``)."""
         if piece is not None:
             return self.buf["PKV"][piece]
-        if self.pieces > 1 and a == (self.t + 1) % self.mesh.torus:
-            raise AssertionError(f"block {a} arrives in {self.pieces} pieces: ask for a piece")
+        check_whole_block(a, self.t, self.mesh.torus, self.pieces)
         return self.buf["KVb"][a] if a == self.t else self.buf["KV"][self._slot(a)]
 
     def kv_block(self, a, piece: int | None = None):

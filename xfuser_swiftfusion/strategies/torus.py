@@ -316,6 +316,7 @@ def launches_option(options: dict) -> str | None:
 
 
 KV_PIECES_OPTION = "kv_pieces"
+NO_FP8_PIECES = "kv_pieces > 1 with fp8_comms is not supported; use one or the other"
 
 
 def kv_pieces_option(options: dict) -> int:
@@ -326,8 +327,24 @@ def kv_pieces_option(options: dict) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"option {KV_PIECES_OPTION!r} must be an int >= 1, got {value!r}")
     if value > 1 and fp8.enabled(options):
-        raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+        raise ValueError(NO_FP8_PIECES)
     return value
+
+
+def staged_pieces(T: int, pieces: int, fp8_wire: bool) -> int:
+    """The pieces a transport stages the last Pull-KV block in: ``pieces`` where T > 1, else 1.
+    ``ValueError`` for more than one with FP8 wire slots (they hold whole blocks)."""
+    P = pieces if T > 1 else 1
+    if P > 1 and fp8_wire:
+        raise ValueError(NO_FP8_PIECES)
+    return P
+
+
+def check_whole_block(a: int, t: int, T: int, pieces: int) -> None:
+    """Machine ``t``'s transport holds block ``a`` whole: at P > 1 the last Pull-KV stage's
+    block (machine t + 1's) is held only by piece."""
+    if pieces > 1 and a == (t + 1) % T:
+        raise AssertionError(f"block {a} arrives in {pieces} pieces: ask for a piece")
 
 
 class TorusAttention:
@@ -516,9 +533,7 @@ class TwoSidedTorusIO:
         T, U = self.mesh.torus, self.mesh.ulysses_intra
         B, H, S, D = q.shape
         h, h_kv = H // (T * U), k.shape[1] // (T * U)
-        self.pieces = pieces if T > 1 else 1
-        if self.pieces > 1 and self.fp8:
-            raise ValueError("kv_pieces > 1 with fp8_comms is not supported; use one or the other")
+        self.pieces = staged_pieces(T, pieces, self.fp8)
         self.bounds = piece_bounds(S, self.pieces)
         key = (tuple(q.shape), k.shape[1], q.dtype, q.device, text_len, self.pieces)
         if key not in self._buffers:
@@ -610,8 +625,7 @@ class TwoSidedTorusIO:
         last stage's block, ``[U, B, h_kv, S_p, D]``."""
         if piece is not None:
             return self.buf["PK"][piece], self.buf["PV"][piece]
-        if self.pieces > 1 and a == (self.t + 1) % self.mesh.torus:
-            raise AssertionError(f"block {a} arrives in {self.pieces} pieces: ask for a piece")
+        check_whole_block(a, self.t, self.mesh.torus, self.pieces)
         return self.buf["K"][a], self.buf["V"][a]
 
     def ring(self, q_chunks, states, a, *, scale, what, masks=None, piece=None):
